@@ -1,0 +1,105 @@
+"""Every routine of the monorepo. `nox -t ci` is what CI runs (see README).
+
+Sessions:
+  lint                  ruff over the whole tree
+  tests                 every package installed together, all tests (packages/*/tests and tests/)
+  package-<name>        one package installed alone with only what it depends on, its own tests
+  dists                 sdist of each package, then a wheel built from that sdist alone
+  bench-<name>          a benchmark in tools/bench (CPU here; the GPU numbers come from tools/gpu_run.sh)
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tarfile
+import tempfile
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+
+# Install order: a package's ts-* dependencies come before it.
+PACKAGES = ["ts-pinned", "ts-adamw", "ts-quant", "ts-kvcache", "ts-peer", "ts-planner", "trainstream"]
+PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
+DEPENDS = {"trainstream": ["ts-pinned", "ts-adamw", "ts-quant"], "ts-kvcache": ["ts-pinned"]}
+
+# torch 2.13.0 CPU is on the CI machines' disk; a bare `torch` would pull a 5.5 GB CUDA build.
+TORCH = os.environ.get("TS_TORCH_SPEC", "torch==2.13.0")
+BUILD_DEPS = ["scikit-build-core>=0.11", "nanobind>=2.4", "cmake>=3.26", "ninja"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+HF_DEPS = ["transformers>=4.56", "peft>=0.13"]
+
+
+def _install_packages(session: nox.Session, names: list[str]) -> None:
+    """Builds without isolation (the build deps are already in the venv), reusing
+    each package's build/ folder, so a second session rebuilds nothing."""
+    paths = [str(ROOT / "packages" / n) for n in names]
+    session.install("--no-build-isolation", "--no-deps", *paths)
+
+
+def _closure(name: str) -> list[str]:
+    order = []
+    for dep in DEPENDS.get(name, []):
+        for item in _closure(dep):
+            if item not in order:
+                order.append(item)
+    return [*order, name] if name not in order else order
+
+
+def _base(session: nox.Session, hf: bool = False) -> None:
+    session.install(TORCH, *BUILD_DEPS, *TEST_DEPS, *(HF_DEPS if hf else []))
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(tags=["ci"])
+def tests(session: nox.Session) -> None:
+    _base(session, hf="trainstream" in PACKAGES)
+    _install_packages(session, PACKAGES)
+    paths = [f"packages/{p}/tests" for p in PACKAGES] + ["tests"]
+    session.run("pytest", "-q", *paths, *session.posargs)
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("name", PACKAGES)
+def package(session: nox.Session, name: str) -> None:
+    """The package installed alone (plus its declared dependencies) passes its own tests."""
+    _base(session, hf=name == "trainstream")
+    _install_packages(session, _closure(name))
+    session.run("pytest", "-q", f"packages/{name}/tests", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def dists(session: nox.Session) -> None:
+    """Each sdist must build a wheel on its own, in an empty folder, with build isolation
+    off (CI has no network beyond PyPI; the build deps come from this venv)."""
+    session.install(*BUILD_DEPS, "build")
+    out = ROOT / "dist"
+    shutil.rmtree(out, ignore_errors=True)
+    for name in PACKAGES:
+        session.run("python", "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out),
+                    str(ROOT / "packages" / name))
+    for sdist in sorted(out.glob("*.tar.gz")):
+        with tempfile.TemporaryDirectory() as empty:
+            with tarfile.open(sdist) as tar:
+                tar.extractall(empty, filter="data")
+            (source,) = pathlib.Path(empty).iterdir()
+            session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
+                        str(source), env={"TS_ENABLE_CUDA": os.environ.get("TS_ENABLE_CUDA", "OFF")})
+    session.log("built: " + ", ".join(p.name for p in sorted(out.iterdir())))
+
+
+@nox.session
+@nox.parametrize("name", ["pinned", "adamw", "quant", "compare"])
+def bench(session: nox.Session, name: str) -> None:
+    _base(session, hf=name == "compare")
+    _install_packages(session, PACKAGES)
+    session.run("python", f"tools/bench/{name}.py", *session.posargs)

@@ -1,0 +1,210 @@
+#include "arena.h"
+
+#include <algorithm>
+
+#include "ts/errors.h"
+
+namespace ts_pinned {
+
+Arena::Arena(size_t slab_bytes, size_t cap_bytes) : slab_bytes_(slab_bytes), cap_bytes_(cap_bytes) {
+    TS_CHECK_ARG(slab_bytes > 0, "slab_bytes must be positive, got 0");
+}
+
+Arena::~Arena() {
+    // Blocks still alive at this point are owned by tensors that outlive the
+    // arena object; their capsules hold a reference, so this only runs when
+    // none is left.
+    for (const auto& slab : slabs_) free_host(slab.region);
+    for (const auto& [ptr, block] : blocks_) {
+        if (block.slab < 0) free_host(block.standalone);
+    }
+}
+
+bool Arena::add_slab_locked(size_t bytes) {
+    bytes = round_up(bytes, kAlignment);
+    if (cap_bytes_ != kUnlimited && reserved_ + bytes > cap_bytes_) return false;
+    HostRegion region = allocate_host(bytes, /*allow_pageable=*/false);
+    ++host_alloc_calls_;
+    slabs_.push_back(Slab{region, {}});
+    reserved_ += bytes;
+    insert_free_locked(static_cast<int>(slabs_.size()) - 1, 0, bytes);
+    return true;
+}
+
+size_t Arena::reserve(size_t bytes_now, size_t cap) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (cap > 0) {
+        TS_CHECK_ARG(cap >= bytes_now, "cap (", cap, " bytes) is below bytes_now (", bytes_now,
+                     " bytes); pass a cap of at least bytes_now, or 0 to leave it unchanged");
+        cap_bytes_ = std::max(cap, reserved_);
+    }
+    while (reserved_ < bytes_now) {
+        // Slabs of at most slab_bytes, so reserving 1.5 slabs locks 1.5, not 2.
+        size_t want = std::min(slab_bytes_, round_up(bytes_now - reserved_, kAlignment));
+        // Reserving is an explicit request: it may lift the cap to bytes_now.
+        if (cap_bytes_ != kUnlimited && reserved_ + want > cap_bytes_) cap_bytes_ = reserved_ + want;
+        add_slab_locked(want);
+    }
+    return reserved_;
+}
+
+void Arena::insert_free_locked(int slab, size_t offset, size_t length) {
+    slabs_[slab].free_ranges.emplace(offset, length);
+    free_by_size_.emplace(length, slab, offset);
+}
+
+void Arena::erase_free_locked(int slab, size_t offset, size_t length) {
+    slabs_[slab].free_ranges.erase(offset);
+    free_by_size_.erase(FreeKey{length, slab, offset});
+}
+
+void* Arena::carve_locked(size_t length) {
+    auto it = free_by_size_.lower_bound(FreeKey{length, -1, 0});
+    if (it == free_by_size_.end()) return nullptr;
+    auto [free_length, slab, offset] = *it;
+    erase_free_locked(slab, offset, free_length);
+    if (free_length > length) insert_free_locked(slab, offset + length, free_length - length);
+    used_ += length;
+    return static_cast<char*>(slabs_[slab].region.ptr) + offset;
+}
+
+void* Arena::allocate(size_t bytes, const std::string& tag, bool allow_pageable) {
+    size_t length = round_up(std::max<size_t>(bytes, 1), kAlignment);
+    std::lock_guard<std::mutex> lock(mutex_);
+    void* ptr = carve_locked(length);
+    if (ptr == nullptr && add_slab_locked(std::max(slab_bytes_, length))) ptr = carve_locked(length);
+    Block block{-1, 0, length, bytes, tag, {}};
+    if (ptr != nullptr) {
+        // Find which slab holds ptr (few slabs: a linear scan is cheapest).
+        for (size_t s = 0; s < slabs_.size(); ++s) {
+            char* base = static_cast<char*>(slabs_[s].region.ptr);
+            if (ptr >= base && ptr < base + slabs_[s].region.bytes) {
+                block.slab = static_cast<int>(s);
+                block.offset = static_cast<size_t>(static_cast<char*>(ptr) - base);
+                break;
+            }
+        }
+    } else {
+        block.standalone = allocate_host(length, allow_pageable);
+        ++host_alloc_calls_;
+        ++fallbacks_;
+        if (!block.standalone.pinned && page_locking_available()) ++pageable_fallbacks_;
+        fallback_bytes_ += length;
+        ptr = block.standalone.ptr;
+    }
+    by_tag_[tag] += bytes;
+    blocks_.emplace(ptr, std::move(block));
+    return ptr;
+}
+
+bool Arena::is_pinned(void* ptr) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = blocks_.find(ptr);
+    if (it == blocks_.end()) return false;
+    const Block& block = it->second;
+    return block.slab < 0 ? block.standalone.pinned : slabs_[block.slab].region.pinned;
+}
+
+void Arena::release(void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = blocks_.find(ptr);
+    TS_CHECK_ARG(it != blocks_.end(), "pointer was not allocated by this arena (double free?)");
+    Block block = std::move(it->second);
+    blocks_.erase(it);
+    auto tag = by_tag_.find(block.tag);
+    tag->second -= block.requested;
+    if (tag->second == 0) by_tag_.erase(tag);
+    if (block.slab < 0) {
+        fallback_bytes_ -= block.length;
+        free_host(block.standalone);
+        return;
+    }
+    used_ -= block.length;
+    size_t offset = block.offset;
+    size_t length = block.length;
+    auto& ranges = slabs_[block.slab].free_ranges;
+    auto next = ranges.lower_bound(offset);
+    if (next != ranges.end() && next->first == offset + length) {
+        size_t next_length = next->second;
+        erase_free_locked(block.slab, next->first, next_length);
+        length += next_length;
+    }
+    next = ranges.lower_bound(offset);
+    if (next != ranges.begin()) {
+        auto prev = std::prev(next);
+        if (prev->first + prev->second == offset) {
+            size_t prev_offset = prev->first;
+            size_t prev_length = prev->second;
+            erase_free_locked(block.slab, prev_offset, prev_length);
+            offset = prev_offset;
+            length += prev_length;
+        }
+    }
+    insert_free_locked(block.slab, offset, length);
+}
+
+void Arena::set_slab_bytes(size_t bytes) {
+    TS_CHECK_ARG(bytes > 0, "slab size must be positive");
+    std::lock_guard<std::mutex> lock(mutex_);
+    slab_bytes_ = bytes;
+}
+
+ArenaStats Arena::stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ArenaStats s;
+    s.arena_bytes = reserved_;
+    s.arena_used = used_;
+    s.arena_slabs = slabs_.size();
+    s.arena_cap = cap_bytes_;
+    s.arena_fallbacks = fallbacks_;
+    s.arena_largest_free = free_by_size_.empty() ? 0 : std::get<0>(*free_by_size_.rbegin());
+    s.fallback_bytes = fallback_bytes_;
+    s.pageable_fallbacks = pageable_fallbacks_;
+    s.host_alloc_calls = host_alloc_calls_;
+    s.live_blocks = blocks_.size();
+    s.slab_bytes = slab_bytes_;
+    s.pinned = page_locking_available();
+    s.by_tag = by_tag_;
+    return s;
+}
+
+void Arena::check_invariants() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::map<size_t, size_t>> covered(slabs_.size());
+    size_t free_total = 0;
+    size_t free_entries = 0;
+    for (size_t s = 0; s < slabs_.size(); ++s) {
+        size_t last_end = 0;
+        bool have_last = false;
+        for (const auto& [offset, length] : slabs_[s].free_ranges) {
+            if (have_last && offset == last_end) ts::throw_runtime_error("free ranges not coalesced in slab ", s);
+            covered[s].emplace(offset, length);
+            free_total += length;
+            last_end = offset + length;
+            have_last = true;
+            ++free_entries;
+        }
+    }
+    if (free_entries != free_by_size_.size()) ts::throw_runtime_error("size index out of sync with free ranges");
+    size_t used_total = 0;
+    for (const auto& [ptr, block] : blocks_) {
+        if (block.slab < 0) continue;
+        if (block.offset % kAlignment != 0) ts::throw_runtime_error("misaligned block");
+        if (!covered[block.slab].emplace(block.offset, block.length).second)
+            ts::throw_runtime_error("two ranges start at one offset");
+        used_total += block.length;
+    }
+    if (used_total != used_) ts::throw_runtime_error("used bytes do not add up");
+    if (used_total + free_total != reserved_) ts::throw_runtime_error("used + free != reserved");
+    for (size_t s = 0; s < slabs_.size(); ++s) {
+        size_t expect = 0;
+        for (const auto& [offset, length] : covered[s]) {
+            if (offset != expect) ts::throw_runtime_error("gap or overlap in slab ", s, " at offset ", offset);
+            expect = offset + length;
+        }
+        if (expect != slabs_[s].region.bytes) ts::throw_runtime_error("slab ", s, " not tiled to its end");
+    }
+    if (cap_bytes_ != kUnlimited && reserved_ > cap_bytes_) ts::throw_runtime_error("reserved beyond the cap");
+}
+
+}  // namespace ts_pinned

@@ -1,0 +1,18 @@
+"""Page-locked host memory for PyTorch: slab arena, tagged blocks, stats, staging ring."""
+
+from ._arena import PinnedArena, default_arena, empty, pinned_stats, reserve_pinned
+from ._budget import PageLockBudget, page_lock_budget
+from ._staging import copy_to_device, staging_stats
+
+__all__ = [
+    "PageLockBudget",
+    "PinnedArena",
+    "copy_to_device",
+    "default_arena",
+    "empty",
+    "page_lock_budget",
+    "pinned_stats",
+    "reserve_pinned",
+    "staging_stats",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+"""How much memory this process may page-lock: the probe the planner uses."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+__all__ = ["PageLockBudget", "page_lock_budget"]
+
+
+@dataclass(frozen=True)
+class PageLockBudget:
+    """Limits on page-locking, in bytes. ``memlock_limit`` is ``None`` when unlimited.
+
+    ``budget`` is what a caller may page-lock: ``fraction`` of available RAM, and
+    no more than the memlock limit where one applies. (The CUDA driver's own
+    allocations are usually exempt from RLIMIT_MEMLOCK, but containers and
+    cudaHostRegister are not, so the smaller value is the safe plan.)
+    """
+
+    memlock_limit: int | None
+    mem_available: int
+    mem_total: int
+    budget: int
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def page_lock_budget(fraction: float = 0.8) -> PageLockBudget:
+    """Measures the memlock limit and available RAM; ``fraction`` (0, 1] of available RAM is the budget."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    info = _meminfo()
+    available = info.get("MemAvailable", info.get("MemFree", 0))
+    budget = int(available * fraction)
+    # A tiny default memlock (64 KiB) means the limit is not enforced for the
+    # CUDA driver's allocations in practice; only a deliberately raised limit
+    # is a real plan bound.
+    if memlock is not None and memlock >= (1 << 30):
+        budget = min(budget, memlock)
+    return PageLockBudget(memlock, available, info.get("MemTotal", 0), budget)
