@@ -1,0 +1,169 @@
+// Python bindings of ts_adamw._core. Tensors cross as dtype-less DLPack arrays
+// (noconvert: a wrong dtype or a strided view is refused, never copied), are
+// validated into a Plan, and the work runs without the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <future>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "cuda_entry.h"
+#include "host_adamw.h"
+#include "host_norm.h"
+#include "isa.h"
+#include "plan.h"
+#include "ts/bindings.h"
+#include "ts/errors.h"
+#include "ts/ndarray.h"
+#include "ts/thread_pool.h"
+
+namespace nb = nanobind;
+using namespace ts_adamw;
+using Arrays = std::vector<AnyArray>;
+
+namespace {
+
+// The lane that runs asynchronous steps in submission order. Never destroyed:
+// its thread must not be joined during static destruction at exit.
+ts::AsyncLane& step_lane() {
+    static auto* lane = new ts::AsyncLane();
+    return *lane;
+}
+
+// A submitted step. Holds the arrays (and the caller's Python objects) until
+// the step is waited on or the handle dies; both happen on a thread that
+// holds the GIL, never on the worker.
+struct StepHandle {
+    std::shared_future<void> future;
+    Arrays arrays;
+    nb::object keepalive;
+
+    ~StepHandle() {
+        if (future.valid() && !ready()) {
+            nb::gil_scoped_release release;
+            future.wait();
+        }
+    }
+    bool ready() const { return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+    void wait() {
+        if (future.valid() && !ready()) {
+            nb::gil_scoped_release release;
+            future.wait();
+        }
+        arrays.clear();
+        keepalive = nb::object();
+        if (future.valid()) future.get();  // rethrows the step's error, every time
+    }
+};
+
+void* host_place(const AnyArray& a, const char* what) {
+    TS_CHECK_ARG(ts::is_cpu(a), "adamw_step: ", what,
+                 " is not a CPU tensor; the host engine updates CPU tensors (use cuda_adamw_step for GPU tensors)");
+    return a.data();
+}
+
+StepArgs make_args(double lr, double beta1, double beta2, double eps, double wd, int64_t step, bool maximize,
+                   double grad_scale, uint64_t seed) {
+    return StepArgs{lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed};
+}
+
+Plan host_plan(const Arrays& params, const Arrays& grads, const Arrays& ms, const Arrays& vs, const Arrays& outs,
+               const std::vector<uint32_t>& slots, const StepArgs& args, int threads) {
+    TS_CHECK_ARG(threads >= 0, "adamw_step: threads=", threads, " must be >= 1 (or None for the whole pool)");
+    Plan plan = build_plan("adamw_step", params, grads, ms, vs, outs, slots, args, host_place);
+    plan.max_threads = threads;
+    return plan;
+}
+
+void step_sync(const Arrays& params, const Arrays& grads, const Arrays& ms, const Arrays& vs, const Arrays& outs,
+               const std::vector<uint32_t>& slots, double lr, double beta1, double beta2, double eps, double wd,
+               int64_t step, bool maximize, double grad_scale, uint64_t seed, int threads) {
+    Plan plan = host_plan(params, grads, ms, vs, outs, slots,
+                          make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed), threads);
+    nb::gil_scoped_release release;
+    run_host_step(plan);
+}
+
+std::unique_ptr<StepHandle> step_async(Arrays params, Arrays grads, Arrays ms, Arrays vs, Arrays outs,
+                                       const std::vector<uint32_t>& slots, double lr, double beta1, double beta2,
+                                       double eps, double wd, int64_t step, bool maximize, double grad_scale,
+                                       uint64_t seed, int threads, nb::object keepalive) {
+    Plan plan = host_plan(params, grads, ms, vs, outs, slots,
+                          make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed), threads);
+    auto handle = std::make_unique<StepHandle>();
+    handle->keepalive = std::move(keepalive);
+    for (Arrays* list : {&params, &grads, &ms, &vs, &outs})
+        for (AnyArray& a : *list) handle->arrays.push_back(std::move(a));
+    handle->future = step_lane().submit([plan = std::move(plan)] { run_host_step(plan); });
+    return handle;
+}
+
+void step_cuda(const Arrays& params, const Arrays& grads, const Arrays& ms, const Arrays& vs, const Arrays& outs,
+               const std::vector<uint32_t>& slots, double lr, double beta1, double beta2, double eps, double wd,
+               int64_t step, bool maximize, double grad_scale, uint64_t seed, uintptr_t stream) {
+    cuda_step(params, grads, ms, vs, outs, slots, make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed),
+              stream);
+}
+
+double squares(const Arrays& tensors, int threads) {
+    TS_CHECK_ARG(threads >= 0, "sum_of_squares: threads=", threads, " must be >= 1 (or None for the whole pool)");
+    std::vector<NormSegment> segments;
+    segments.reserve(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        const AnyArray& a = tensors[i];
+        Kind kind = kind_of(a);
+        TS_CHECK_ARG(kind != Kind::none, "sum_of_squares: tensors[", i, "] is ", kind_name(kind),
+                     "; use float32, bfloat16 or float16");
+        TS_CHECK_ARG(ts::is_cpu(a), "sum_of_squares: tensors[", i, "] is not a CPU tensor");
+        TS_CHECK_ARG(ts::is_contiguous(a), "sum_of_squares: tensors[", i,
+                     "] must be contiguous; call .contiguous() on it first");
+        segments.push_back({a.data(), int64_t(a.size()), kind});
+    }
+    nb::gil_scoped_release release;
+    return sum_of_squares(segments, threads);
+}
+
+// Test hook: a handle whose task fails with `message` (ValueError on wait).
+std::unique_ptr<StepHandle> failing_handle(const std::string& message) {
+    auto handle = std::make_unique<StepHandle>();
+    handle->future = step_lane().submit([message] { ts::throw_value_error(message); });
+    return handle;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+    ts::register_common(m);
+
+    nb::class_<StepHandle>(m, "StepHandle",
+                           "An AdamW step running on the host pool. wait() blocks (GIL released) and re-raises "
+                           "the step's error; the tensors stay referenced until then.")
+        .def("wait", &StepHandle::wait, "Blocks until the step finished; re-raises its error.")
+        .def("done", &StepHandle::ready, "True when the step has finished (successfully or not).");
+
+    auto step_args = [](auto&&... extra) {
+        return std::make_tuple(nb::arg("params").noconvert(), nb::arg("grads").noconvert(),
+                               nb::arg("exp_avgs").noconvert(), nb::arg("exp_avg_sqs").noconvert(),
+                               nb::arg("params_out").noconvert(), nb::arg("slots"), nb::arg("lr"), nb::arg("beta1"),
+                               nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"), nb::arg("step"),
+                               nb::arg("maximize"), nb::arg("grad_scale"), nb::arg("seed"), extra...);
+    };
+    std::apply([&](auto&&... a) { m.def("step", &step_sync, a..., "Fused AdamW over CPU tensor lists, in place."); },
+               step_args(nb::arg("threads")));
+    std::apply([&](auto&&... a) { m.def("step_async", &step_async, a..., "step() on the async lane; a StepHandle."); },
+               step_args(nb::arg("threads"), nb::arg("keepalive")));
+    std::apply([&](auto&&... a) { m.def("cuda_step", &step_cuda, a..., "Multi-tensor AdamW kernel on `stream`."); },
+               step_args(nb::arg("stream")));
+    m.def("sum_of_squares", &squares, nb::arg("tensors").noconvert(), nb::arg("threads"),
+          "Sum of x*x over CPU tensors (fp64 result, deterministic for any thread count).");
+    m.def("host_isa", [] { return std::string(isa_name(active_isa())); }, "SIMD variant the host kernels use.");
+    m.def("best_host_isa", [] { return std::string(isa_name(best_isa())); }, "Best SIMD variant this CPU runs.");
+    m.def("_set_host_isa", &set_isa, nb::arg("name"), "Forces a SIMD variant (tests, benchmarks) or \"auto\".");
+    m.def("_failing_handle", &failing_handle, nb::arg("message"), "Test hook: a handle that fails on wait().");
+}

@@ -1,0 +1,79 @@
+// Host side of cuda_adamw_step: placement checks and the device guard. Built
+// with or without CUDA; without it the entry point raises a clear error.
+#include <string>
+
+#include "cuda_adamw.h"
+#include "cuda_entry.h"
+#include "ts/cuda_check.h"
+#include "ts/errors.h"
+#include "ts/ndarray.h"
+
+namespace ts_adamw {
+
+#ifdef TS_WITH_CUDA
+
+namespace {
+
+struct DeviceGuard {
+    int previous = -1;
+    explicit DeviceGuard(int device) {
+        TS_CUDA_CHECK(cudaGetDevice(&previous));
+        if (previous != device) TS_CUDA_CHECK(cudaSetDevice(device));
+    }
+    ~DeviceGuard() {
+        if (previous >= 0) cudaSetDevice(previous);
+    }
+};
+
+int pick_device(const std::vector<const std::vector<AnyArray>*>& lists) {
+    for (const auto* list : lists)
+        for (const AnyArray& a : *list)
+            if (ts::is_cuda(a)) return a.device_id();
+    int current = 0;
+    TS_CUDA_CHECK(cudaGetDevice(&current));
+    return current;
+}
+
+}  // namespace
+
+void cuda_step(const std::vector<AnyArray>& params, const std::vector<AnyArray>& grads,
+               const std::vector<AnyArray>& exp_avgs, const std::vector<AnyArray>& exp_avg_sqs,
+               const std::vector<AnyArray>& outs, const std::vector<uint32_t>& slots, const StepArgs& args,
+               uintptr_t stream) {
+    if (!ts::cuda_device_present())
+        ts::throw_runtime_error("cuda_adamw_step: no CUDA device or driver is present on this machine");
+    const int device = pick_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &outs});
+    DeviceGuard guard(device);
+    PlaceFn place = [device](const AnyArray& a, const char* what) -> void* {
+        if (a.size() == 0) return a.data();
+        if (ts::is_cuda(a)) {
+            TS_CHECK_ARG(a.device_id() == device, "cuda_adamw_step: ", what, " is on cuda:", a.device_id(),
+                         " but the other tensors are on cuda:", device, "; put all of them on one GPU");
+            return a.data();
+        }
+        TS_CHECK_ARG(ts::is_cpu(a), "cuda_adamw_step: ", what,
+                     " must be a CUDA tensor or a page-locked (pinned) CPU tensor");
+        cudaPointerAttributes attr{};
+        cudaError_t status = cudaPointerGetAttributes(&attr, a.data());
+        if (status != cudaSuccess) cudaGetLastError();
+        TS_CHECK_ARG(status == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
+                     "cuda_adamw_step: ", what,
+                     " is an ordinary (pageable) CPU tensor; the GPU can only reach page-locked memory. "
+                     "Allocate it with pin_memory() (or ts_pinned) or move it to the GPU");
+        return attr.devicePointer;
+    };
+    Plan plan = build_plan("cuda_adamw_step", params, grads, exp_avgs, exp_avg_sqs, outs, slots, args, place);
+    launch_cuda_step(plan, stream);
+}
+
+#else
+
+void cuda_step(const std::vector<AnyArray>&, const std::vector<AnyArray>&, const std::vector<AnyArray>&,
+               const std::vector<AnyArray>&, const std::vector<AnyArray>&, const std::vector<uint32_t>&,
+               const StepArgs&, uintptr_t) {
+    ts::cuda_unavailable("cuda_adamw_step");
+}
+
+#endif
+
+}  // namespace ts_adamw

@@ -1,0 +1,148 @@
+// Host AdamW kernels. One plain loop per (grad, moment, out) dtype combination,
+// written so the compiler vectorizes it (branch-free conversions, restrict
+// pointers, no FMA contraction), compiled for three ISAs and chosen at run
+// time. Checked with -fopt-info-vec and in the disassembly (zmm code in the
+// AVX-512 variant).
+#include "host_adamw.h"
+
+#include <algorithm>
+#include <type_traits>
+
+#include "isa.h"
+#include "ts/thread_pool.h"
+
+namespace ts_adamw {
+
+namespace {
+
+template <Kind K>
+using storage_t = std::conditional_t<K == Kind::f32 || K == Kind::none, float, uint16_t>;
+
+template <Kind GK, Kind MK, Kind OK>
+inline __attribute__((always_inline)) void update_loop(const Hyper& hyper, float* __restrict p,
+                                                       const storage_t<GK>* __restrict g,
+                                                       storage_t<MK>* __restrict m, storage_t<MK>* __restrict v,
+                                                       storage_t<OK>* __restrict out, int64_t n, uint32_t idx0,
+                                                       uint32_t key) {
+    const Hyper h = hyper;  // local copy: no aliasing with the arrays
+    for (int64_t i = 0; i < n; ++i) {
+        float gi = load_as_float<GK>(g, i);
+        float pi = p[i];
+        float mi, vi;
+        if constexpr (MK == Kind::f32) {
+            mi = m[i];
+            vi = v[i];
+        } else {
+            mi = bf16_load(m[i]);
+            vi = bf16_load(v[i]);
+        }
+        update(h, gi, pi, mi, vi);
+        p[i] = pi;
+        if constexpr (MK == Kind::f32) {
+            m[i] = mi;
+            v[i] = vi;
+        } else {
+            uint32_t r = mix32((idx0 + uint32_t(i)) ^ key);
+            m[i] = bf16_stochastic(mi, r);
+            v[i] = bf16_stochastic(vi, r >> 16);
+        }
+        if constexpr (OK != Kind::none) store_nearest<OK>(out, i, pi);
+    }
+}
+
+using KernelFn = void (*)(const Hyper&, float*, const void*, void*, void*, void*, int64_t, uint32_t, uint32_t);
+
+#define TSA_DEFINE_VARIANT(NAME, TARGET)                                                                     \
+    template <Kind GK, Kind MK, Kind OK>                                                                     \
+    TARGET void NAME(const Hyper& h, float* p, const void* g, void* m, void* v, void* out, int64_t n,       \
+                     uint32_t idx0, uint32_t key) {                                                          \
+        update_loop<GK, MK, OK>(h, p, static_cast<const storage_t<GK>*>(g), static_cast<storage_t<MK>*>(m), \
+                                static_cast<storage_t<MK>*>(v), static_cast<storage_t<OK>*>(out), n, idx0,  \
+                                key);                                                                        \
+    }
+
+TSA_DEFINE_VARIANT(kernel_baseline, )
+TSA_DEFINE_VARIANT(kernel_avx2, TSA_TARGET_AVX2)
+TSA_DEFINE_VARIANT(kernel_avx512, TSA_TARGET_AVX512)
+
+template <Kind GK, Kind MK, Kind OK>
+KernelFn pick_isa(Isa isa) {
+    switch (isa) {
+        case Isa::avx512: return &kernel_avx512<GK, MK, OK>;
+        case Isa::avx2: return &kernel_avx2<GK, MK, OK>;
+        default: return &kernel_baseline<GK, MK, OK>;
+    }
+}
+
+template <Kind GK, Kind MK>
+KernelFn pick_out(Kind ok, Isa isa) {
+    switch (ok) {
+        case Kind::f32: return pick_isa<GK, MK, Kind::f32>(isa);
+        case Kind::bf16: return pick_isa<GK, MK, Kind::bf16>(isa);
+        case Kind::f16: return pick_isa<GK, MK, Kind::f16>(isa);
+        default: return pick_isa<GK, MK, Kind::none>(isa);
+    }
+}
+
+template <Kind GK>
+KernelFn pick_moment(Kind mk, Kind ok, Isa isa) {
+    return mk == Kind::bf16 ? pick_out<GK, Kind::bf16>(ok, isa) : pick_out<GK, Kind::f32>(ok, isa);
+}
+
+KernelFn pick_kernel(Kind gk, Kind mk, Kind ok, Isa isa) {
+    switch (gk) {
+        case Kind::bf16: return pick_moment<Kind::bf16>(mk, ok, isa);
+        case Kind::f16: return pick_moment<Kind::f16>(mk, ok, isa);
+        default: return pick_moment<Kind::f32>(mk, ok, isa);
+    }
+}
+
+// Elements per pool chunk at least: 32K elements is ~1 MB of traffic.
+constexpr int64_t kGrain = int64_t(1) << 15;
+
+// Runs elements [local, local+count) of one segment, split at 2^32-element
+// windows (the stochastic-rounding counter is 32-bit inside a window).
+void run_piece(const Plan& plan, const Segment& s, KernelFn fn, int64_t local, int64_t count) {
+    const size_t gb = kind_bytes(s.grad_kind), mb = kind_bytes(plan.moment_kind), ob = kind_bytes(s.out_kind);
+    while (count > 0) {
+        const uint32_t lo = uint32_t(local);
+        const uint32_t hi = uint32_t(uint64_t(local) >> 32);
+        const int64_t piece = std::min<int64_t>(count, (int64_t(1) << 32) - int64_t(lo));
+        auto* g = static_cast<const char*>(s.grad) + size_t(local) * gb;
+        auto* m = static_cast<char*>(s.exp_avg) + size_t(local) * mb;
+        auto* v = static_cast<char*>(s.exp_avg_sq) + size_t(local) * mb;
+        void* out = s.out ? static_cast<char*>(s.out) + size_t(local) * ob : nullptr;
+        fn(plan.hyper, s.param + local, g, m, v, out, piece, lo, window_key(s.key, hi));
+        local += piece;
+        count -= piece;
+    }
+}
+
+}  // namespace
+
+void run_host_step(const Plan& plan) {
+    const size_t count = plan.segments.size();
+    std::vector<int64_t> start(count + 1, 0);
+    std::vector<KernelFn> fns(count);
+    const Isa isa = active_isa();
+    for (size_t i = 0; i < count; ++i) {
+        const Segment& s = plan.segments[i];
+        start[i + 1] = start[i] + s.n;
+        fns[i] = pick_kernel(s.grad_kind, plan.moment_kind, s.out_kind, isa);
+    }
+    const int64_t total = start[count];
+    ts::host_pool().parallel_for(
+        total, kGrain,
+        [&](int64_t begin, int64_t end) {
+            size_t seg = size_t(std::upper_bound(start.begin(), start.end(), begin) - start.begin()) - 1;
+            for (; begin < end && seg < count; ++seg) {
+                const int64_t stop = std::min(end, start[seg + 1]);
+                if (stop <= begin) continue;
+                run_piece(plan, plan.segments[seg], fns[seg], begin - start[seg], stop - begin);
+                begin = stop;
+            }
+        },
+        plan.max_threads);
+}
+
+}  // namespace ts_adamw

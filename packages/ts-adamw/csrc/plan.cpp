@@ -1,0 +1,141 @@
+#include "plan.h"
+
+#include <cmath>
+#include <string>
+
+#include "ts/errors.h"
+#include "ts/ndarray.h"
+
+namespace ts_adamw {
+
+int64_t Plan::total() const {
+    int64_t n = 0;
+    for (const Segment& s : segments) n += s.n;
+    return n;
+}
+
+Kind kind_of(const AnyArray& array) {
+    switch (ts::scalar_kind(array.dtype())) {
+        case ts::ScalarKind::float32: return Kind::f32;
+        case ts::ScalarKind::bfloat16: return Kind::bf16;
+        case ts::ScalarKind::float16: return Kind::f16;
+        default: return Kind::none;
+    }
+}
+
+const char* kind_name(Kind kind) {
+    switch (kind) {
+        case Kind::f32: return "float32";
+        case Kind::bf16: return "bfloat16";
+        case Kind::f16: return "float16";
+        default: return "an unsupported dtype";
+    }
+}
+
+size_t kind_bytes(Kind kind) { return kind == Kind::f32 ? 4 : (kind == Kind::none ? 0 : 2); }
+
+Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                 bool maximize, double grad_scale, uint64_t seed) {
+    // Same roundings as torch: Python doubles, cast to fp32 when they meet a tensor.
+    const double bc1 = 1.0 - std::pow(beta1, double(step));
+    const double bc2 = 1.0 - std::pow(beta2, double(step));
+    Hyper h;
+    h.decay = float(1.0 - lr * weight_decay);
+    h.w1 = float(1.0 - beta1);
+    h.w1_rest = 1.0f - h.w1;
+    h.beta2 = float(beta2);
+    h.w2 = float(1.0 - beta2);
+    h.bc2_sqrt = float(std::pow(bc2, 0.5));
+    h.eps = float(eps);
+    h.neg_step_size = float(-(lr / bc1));
+    h.grad_scale = float(maximize ? -grad_scale : grad_scale);
+    const uint32_t s_lo = uint32_t(seed), s_hi = uint32_t(seed >> 32);
+    const uint32_t t_lo = uint32_t(step), t_hi = uint32_t(uint64_t(step) >> 32);
+    h.seed_key = mix32(s_lo ^ mix32(s_hi ^ mix32(t_lo ^ mix32(t_hi + 0x2545f491u))));
+    return h;
+}
+
+namespace {
+
+void check_args(const char* fn, const StepArgs& a) {
+    TS_CHECK_ARG(std::isfinite(a.lr) && a.lr >= 0, fn, ": lr=", a.lr, " must be a finite number >= 0");
+    TS_CHECK_ARG(a.beta1 >= 0 && a.beta1 < 1, fn, ": beta1=", a.beta1, " must be in [0, 1)");
+    TS_CHECK_ARG(a.beta2 >= 0 && a.beta2 < 1, fn, ": beta2=", a.beta2, " must be in [0, 1)");
+    TS_CHECK_ARG(std::isfinite(a.eps) && a.eps >= 0, fn, ": eps=", a.eps, " must be a finite number >= 0");
+    TS_CHECK_ARG(std::isfinite(a.weight_decay) && a.weight_decay >= 0, fn, ": weight_decay=", a.weight_decay,
+                 " must be a finite number >= 0");
+    TS_CHECK_ARG(a.step >= 1, fn, ": step=", a.step, " must be >= 1 (the count including this step)");
+    TS_CHECK_ARG(std::isfinite(a.grad_scale), fn, ": grad_scale=", a.grad_scale, " must be finite");
+}
+
+std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+void check_tensor(const char* fn, const AnyArray& a, const std::string& what, int64_t numel) {
+    TS_CHECK_ARG(ts::is_contiguous(a), fn, ": ", what, " must be contiguous; call .contiguous() on it first");
+    TS_CHECK_ARG(int64_t(a.size()) == numel, fn, ": ", what, " has ", a.size(), " elements but the parameter has ",
+                 numel, " (shapes may differ, element counts must match)");
+}
+
+}  // namespace
+
+Plan build_plan(const char* fn, const std::vector<AnyArray>& params, const std::vector<AnyArray>& grads,
+                const std::vector<AnyArray>& exp_avgs, const std::vector<AnyArray>& exp_avg_sqs,
+                const std::vector<AnyArray>& outs, const std::vector<uint32_t>& slots, const StepArgs& args,
+                const PlaceFn& place) {
+    check_args(fn, args);
+    const size_t count = params.size();
+    TS_CHECK_ARG(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count, fn,
+                 ": got ", count, " params, ", grads.size(), " grads, ", exp_avgs.size(), " exp_avgs and ",
+                 exp_avg_sqs.size(), " exp_avg_sqs; pass one of each per parameter");
+    TS_CHECK_ARG(outs.empty() || outs.size() == count, fn, ": params_out has ", outs.size(),
+                 " tensors for ", count, " params; pass one per parameter or None");
+    TS_CHECK_ARG(slots.empty() || slots.size() == count, fn, ": slots has ", slots.size(), " entries for ",
+                 count, " params");
+    Plan plan;
+    plan.hyper = make_hyper(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
+                            args.maximize, args.grad_scale, args.seed);
+    plan.segments.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+        const std::string p_name = item("params", i), g_name = item("grads", i);
+        const std::string m_name = item("exp_avgs", i), v_name = item("exp_avg_sqs", i);
+        const AnyArray& p = params[i];
+        TS_CHECK_ARG(kind_of(p) == Kind::f32, fn, ": ", p_name, " is ", kind_name(kind_of(p)),
+                     "; parameters (master weights) must be float32");
+        const int64_t n = int64_t(p.size());
+        check_tensor(fn, p, p_name, n);
+        Kind gk = kind_of(grads[i]);
+        TS_CHECK_ARG(gk != Kind::none, fn, ": ", g_name, " is ", kind_name(gk),
+                     "; gradients must be float32, bfloat16 or float16");
+        check_tensor(fn, grads[i], g_name, n);
+        Kind mk = kind_of(exp_avgs[i]), vk = kind_of(exp_avg_sqs[i]);
+        TS_CHECK_ARG((mk == Kind::f32 || mk == Kind::bf16) && mk == vk, fn, ": ", m_name, " is ", kind_name(mk),
+                     " and ", v_name, " is ", kind_name(vk), "; moments must be both float32 or both bfloat16");
+        if (i == 0) plan.moment_kind = mk;
+        TS_CHECK_ARG(mk == plan.moment_kind, fn, ": ", m_name, " is ", kind_name(mk), " but exp_avgs[0] is ",
+                     kind_name(plan.moment_kind), "; one call takes one moment dtype");
+        check_tensor(fn, exp_avgs[i], m_name, n);
+        check_tensor(fn, exp_avg_sqs[i], v_name, n);
+        Segment s{};
+        s.n = n;
+        s.grad_kind = gk;
+        s.param = static_cast<float*>(place(p, p_name.c_str()));
+        s.grad = place(grads[i], g_name.c_str());
+        s.exp_avg = place(exp_avgs[i], m_name.c_str());
+        s.exp_avg_sq = place(exp_avg_sqs[i], v_name.c_str());
+        s.out_kind = Kind::none;
+        s.out = nullptr;
+        if (!outs.empty()) {
+            const std::string o_name = item("params_out", i);
+            s.out_kind = kind_of(outs[i]);
+            TS_CHECK_ARG(s.out_kind != Kind::none, fn, ": ", o_name, " is ", kind_name(s.out_kind),
+                         "; params_out must be bfloat16, float16 or float32");
+            check_tensor(fn, outs[i], o_name, n);
+            s.out = place(outs[i], o_name.c_str());
+        }
+        s.key = tensor_key(plan.hyper.seed_key, slots.empty() ? uint32_t(i) : slots[i]);
+        plan.segments.push_back(s);
+    }
+    return plan;
+}
+
+}  // namespace ts_adamw

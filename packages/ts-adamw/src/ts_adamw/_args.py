@@ -1,0 +1,60 @@
+"""Argument plumbing shared by the public functions: tensors to DLPack-ready views, thread counts."""
+
+from __future__ import annotations
+
+import torch
+
+__all__: list[str] = []
+
+
+def plain(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor`` without autograd tracking (torch refuses DLPack export of tensors that require grad)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise ValueError(f"{what} is a sparse tensor; AdamW here takes dense tensors")
+    return tensor.detach()
+
+
+def plain_list(tensors, what: str) -> list[torch.Tensor]:
+    """Each tensor of a list through ``plain`` (``what[i]`` names it in errors)."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise ValueError(f"{what} must be a list of tensors")
+    return [plain(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
+
+
+def thread_count(threads: int | None) -> int:
+    """Native thread limit: 0 means the whole host pool."""
+    if threads is None:
+        return 0
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} must be a positive int or None (all physical cores)")
+    return threads
+
+
+def step_number(step) -> int:
+    """The step count as an int >= 1 (accepts ints, floats that are whole, and 0-dim tensors)."""
+    if isinstance(step, torch.Tensor):
+        step = step.item()
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step={step!r} must be an int >= 1 (the count including this step)")
+    return step
+
+
+def seed_number(seed) -> int:
+    """The stochastic-rounding seed as an unsigned 64-bit int."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an int")
+    return seed & 0xFFFFFFFFFFFFFFFF
+
+
+def scalar(value, what: str) -> float:
+    """A hyper-parameter as a Python float (0-dim tensors accepted, as torch optimizers allow)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={value!r} must be a number") from None

@@ -1,0 +1,64 @@
+"""Fused AdamW steps on CPU tensors (synchronous and asynchronous) and the fused sum of squares."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _core
+from ._args import plain, plain_list, scalar, seed_number, step_number, thread_count
+
+__all__ = ["StepHandle", "adamw_step", "adamw_step_async", "sum_of_squares"]
+
+StepHandle = _core.StepHandle
+
+
+def _native_args(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step,
+                 maximize, grad_scale, seed, threads) -> tuple:
+    out = [] if param_out is None else [plain(param_out, "param_out")]
+    return (
+        [plain(param, "param")], [plain(grad, "grad")], [plain(exp_avg, "exp_avg")],
+        [plain(exp_avg_sq, "exp_avg_sq")], out, [],
+        scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"), scalar(eps, "eps"),
+        scalar(weight_decay, "weight_decay"), step_number(step), bool(maximize), scalar(grad_scale, "grad_scale"),
+        seed_number(seed), thread_count(threads),
+    )
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+               maximize: bool = False, grad_scale: float = 1.0, param_out: torch.Tensor | None = None,
+               seed: int = 0, threads: int | None = None) -> None:
+    """One AdamW step, in place, exactly as ``torch.optim.AdamW`` computes it, in one pass over memory.
+
+    ``param`` fp32; ``grad`` fp32/bf16/fp16; ``exp_avg``/``exp_avg_sq`` both fp32 or both bf16 (stochastic
+    rounding keyed by ``seed``, ``step`` and element index). ``grad_scale`` multiplies the gradient first;
+    ``param_out`` (bf16/fp16/fp32) receives the new weights rounded to nearest even. All tensors: CPU,
+    contiguous, same element count. ``step`` counts this step (1 for the first). Runs on the host pool
+    (``threads`` caps it) with the GIL released; invalid input raises ValueError before anything changes.
+    """
+    _core.step(*_native_args(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay,
+                             step, maximize, grad_scale, seed, threads))
+
+
+def adamw_step_async(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                     maximize: bool = False, grad_scale: float = 1.0, param_out: torch.Tensor | None = None,
+                     seed: int = 0, threads: int | None = None) -> StepHandle:
+    """``adamw_step`` queued on a background lane (steps run in submission order); returns a ``StepHandle``.
+
+    Validation happens now (ValueError here); ``h.wait()`` blocks with the GIL released and re-raises a
+    failure, ``h.done()`` polls. The handle keeps the tensors alive until it is waited on or deleted.
+    """
+    args = _native_args(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay,
+                        step, maximize, grad_scale, seed, threads)
+    keepalive = (param, grad, exp_avg, exp_avg_sq, param_out)
+    return _core.step_async(*args, keepalive)
+
+
+def sum_of_squares(tensors: list[torch.Tensor], *, threads: int | None = None) -> float:
+    """Sum of ``x*x`` over every element of CPU fp32/bf16/fp16 tensors, in one threaded pass.
+
+    fp32 SIMD lanes per 1024 elements, fp64 above; the result does not depend on the thread count.
+    ``math.sqrt`` of it is the global L2 norm used for gradient clipping.
+    """
+    return _core.sum_of_squares(plain_list(tensors, "tensors"), thread_count(threads))
