@@ -1,0 +1,116 @@
+// Python bindings of ts_quant._core: one quantize and one dequantize entry
+// point for all formats; tensors cross as DLPack, on the CPU or one CUDA device.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+
+#include "kernels.h"
+#include "ts/bindings.h"
+#include "ts/ndarray.h"
+
+namespace nb = nanobind;
+using namespace ts_quant;
+
+namespace {
+
+using AnyArray = nb::ndarray<nb::c_contig>;
+using ByteArray = nb::ndarray<uint8_t, nb::c_contig>;
+using FloatArray = nb::ndarray<float, nb::c_contig>;
+
+Geometry make_geometry(int format, int64_t n, int64_t block, int64_t rows, int64_t cols) {
+    TS_CHECK_ARG(format >= 0 && format <= 3, "unknown format id ", format);
+    TS_CHECK_ARG(n >= 0 && block > 0, "n must be >= 0 and block > 0 (got n=", n, ", block=", block, ")");
+    Geometry geo{static_cast<Format>(format), n, block, rows, cols};
+    if (geo.format == Format::fp8) {
+        TS_CHECK_ARG(rows >= 0 && cols > 0 && rows * cols == n, "fp8: rows * cols must equal n");
+    } else {
+        TS_CHECK_ARG(block % 2 == 0, "block size must be even, got ", block);
+    }
+    return geo;
+}
+
+size_t packed_bytes(const Geometry& geo) {
+    bool four_bit = geo.format == Format::nf4 || geo.format == Format::nvfp4;
+    return four_bit ? static_cast<size_t>((geo.n + 1) / 2) : static_cast<size_t>(geo.n);
+}
+
+// Common checks; returns the CUDA device id, or -1 for the CPU.
+template <class A, class B, class C>
+int check_arrays(const Geometry& geo, const A& values, const B& data, const C& scales, const FloatArray* global,
+                 const char* what) {
+    const bool cuda = ts::is_cuda(values);
+    TS_CHECK_ARG(cuda || ts::is_cpu(values), what, ": tensors must be on the CPU or a CUDA device");
+    auto same_place = [&](const auto& a) {
+        return a.device_type() == values.device_type() && (!cuda || a.device_id() == values.device_id());
+    };
+    TS_CHECK_ARG(same_place(data) && same_place(scales) && (!global || same_place(*global)), what,
+                 ": all tensors must be on the same device");
+    TS_CHECK_ARG(values.size() == static_cast<size_t>(geo.n), what, ": expected ", geo.n, " values, got ",
+                 values.size());
+    TS_CHECK_ARG(data.size() >= packed_bytes(geo), what, ": data holds ", data.size(), " bytes, needs ",
+                 packed_bytes(geo));
+    const size_t scale_bytes = geo.format == Format::nvfp4 ? 1 : 4;
+    TS_CHECK_ARG(scales.dtype().bits == scale_bytes * 8, what, ": scales must be ",
+                 scale_bytes == 1 ? "e4m3 bytes (uint8)" : "float32");
+    TS_CHECK_ARG(scales.size() * (scales.dtype().bits / 8) >= static_cast<size_t>(geo.scale_count()) * scale_bytes,
+                 what, ": scales hold too few entries for ", geo.scale_count(), " blocks");
+    TS_CHECK_ARG(geo.format != Format::nvfp4 || (global && global->size() >= 1), what,
+                 ": nvfp4 needs its per-tensor scale");
+    return cuda ? static_cast<int>(values.device_id()) : -1;
+}
+
+void quantize(int format, AnyArray x, ByteArray data, AnyArray scales, std::optional<FloatArray> global, int64_t n,
+              int64_t block, int64_t rows, int64_t cols, uintptr_t stream) {
+    Geometry geo = make_geometry(format, n, block, rows, cols);
+    const FloatArray* g = global ? &*global : nullptr;
+    int device = check_arrays(geo, x, data, scales, g, "quantize");
+    ts::ScalarKind kind = ts::scalar_kind(x.dtype());
+    const float* gptr = g ? g->data() : nullptr;
+    if (geo.n == 0) return;
+    if (device >= 0) {
+#ifdef TS_WITH_CUDA
+        quantize_cuda(geo, x.data(), kind, data.data(), scales.data(), gptr, device, stream);
+#else
+        ts::cuda_unavailable("quantize on a CUDA tensor");
+#endif
+        return;
+    }
+    nb::gil_scoped_release release;
+    quantize_cpu(geo, x.data(), kind, data.data(), scales.data(), gptr);
+}
+
+void dequantize(int format, ByteArray data, AnyArray scales, std::optional<FloatArray> global, AnyArray out, int64_t n,
+                int64_t block, int64_t rows, int64_t cols, uintptr_t stream) {
+    Geometry geo = make_geometry(format, n, block, rows, cols);
+    const FloatArray* g = global ? &*global : nullptr;
+    int device = check_arrays(geo, out, data, scales, g, "dequantize");
+    ts::ScalarKind kind = ts::scalar_kind(out.dtype());
+    const float* gptr = g ? g->data() : nullptr;
+    if (geo.n == 0) return;
+    if (device >= 0) {
+#ifdef TS_WITH_CUDA
+        dequantize_cuda(geo, data.data(), scales.data(), gptr, out.data(), kind, device, stream);
+#else
+        ts::cuda_unavailable("dequantize on a CUDA tensor");
+#endif
+        return;
+    }
+    nb::gil_scoped_release release;
+    dequantize_cpu(geo, data.data(), scales.data(), gptr, out.data(), kind);
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+    ts::register_common(m);
+    m.def("quantize", &quantize, nb::arg("format"), nb::arg("x"), nb::arg("data").noconvert(),
+          nb::arg("scales").noconvert(), nb::arg("global_scale").none(), nb::arg("n"), nb::arg("block"),
+          nb::arg("rows"), nb::arg("cols"), nb::arg("stream"),
+          "Quantizes n values of x into data (packed codes) and scales. CUDA tensors: enqueued on `stream`.");
+    m.def("dequantize", &dequantize, nb::arg("format"), nb::arg("data"), nb::arg("scales"),
+          nb::arg("global_scale").none(), nb::arg("out").noconvert(), nb::arg("n"), nb::arg("block"),
+          nb::arg("rows"), nb::arg("cols"), nb::arg("stream"),
+          "Decodes n values into out (float32, bfloat16 or float16). CUDA tensors: enqueued on `stream`.");
+}
