@@ -1,0 +1,24 @@
+"""TrainStream: train models whose training state does not fit in GPU memory.
+
+``model, optimizer = trainstream.wrap(model, optimizer)``
+"""
+
+from ts_pinned import reserve_pinned
+
+from ._channel import transfer_stats
+from ._optimizer import OffloadAdamW
+from ._report import memory_report, pinned_stats
+from ._session import TrainStreamSession
+from ._wrap import unwrap, wrap
+
+__all__ = [
+    "OffloadAdamW",
+    "TrainStreamSession",
+    "memory_report",
+    "pinned_stats",
+    "reserve_pinned",
+    "transfer_stats",
+    "unwrap",
+    "wrap",
+]
+__version__ = "0.1.0"

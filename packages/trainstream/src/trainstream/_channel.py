@@ -1,0 +1,151 @@
+"""Copies between model memory and host buffers, on dedicated streams.
+
+A CUDA channel owns a device-to-host and a host-to-device stream per device;
+copies on them are ordered against compute with events, never with a device
+synchronize. The host channel is the same interface for a model on the CPU
+(no GPU, or CI): copies happen at once and every token is already complete,
+so the whole pipeline's bookkeeping and numerics run without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["CudaChannel", "HostChannel", "channel_for", "transfer_stats"]
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.d2h_bytes = self.d2h_copies = self.h2d_bytes = self.h2d_copies = 0
+
+    def count(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            if direction == "d2h":
+                self.d2h_bytes += nbytes
+                self.d2h_copies += 1
+            else:
+                self.h2d_bytes += nbytes
+                self.h2d_copies += 1
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "d2h_bytes": self.d2h_bytes,
+            "d2h_copies": self.d2h_copies,
+            "h2d_bytes": self.h2d_bytes,
+            "h2d_copies": self.h2d_copies,
+        }
+
+
+class HostChannel:
+    """Model on the CPU: copies are plain memory copies, complete on return."""
+
+    is_cuda = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stats = _Stats()
+
+    def mark_compute(self) -> None:
+        return None
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, after) -> None:
+        dst.copy_(src)
+        self.stats.count("d2h", src.numel() * src.element_size())
+        return None
+
+    def to_model(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+        self.stats.count("h2d", src.numel() * src.element_size())
+        return None
+
+    def host_wait(self, token) -> None:
+        return None
+
+    def compute_wait(self, token) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaChannel:
+    """Dedicated D2H / H2D / optimizer streams for one CUDA device; tokens are CUDA events."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.optimizer = torch.cuda.Stream(device)
+        self.stats = _Stats()
+
+    def mark_compute(self) -> torch.cuda.Event:
+        """An event after everything queued so far on the current (compute) stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
+        """Queues src (device) -> dst (pinned host) on the D2H stream after `after`.
+        src's memory is handed to the D2H stream, so the caller may drop it at once."""
+        self.d2h.wait_event(after)
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.d2h)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        self.stats.count("d2h", src.numel() * src.element_size())
+        return done
+
+    def to_model(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+        """Queues src (pinned host) -> dst (device) on the H2D stream."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+        self.stats.count("h2d", src.numel() * src.element_size())
+        return done
+
+    def host_wait(self, token: torch.cuda.Event | None) -> None:
+        if token is not None:
+            token.synchronize()  # releases the GIL while it waits
+
+    def compute_wait(self, token: torch.cuda.Event | None) -> None:
+        if token is not None:
+            torch.cuda.current_stream(self.device).wait_event(token)
+
+    def synchronize(self) -> None:
+        for stream in (self.d2h, self.h2d, self.optimizer):
+            stream.synchronize()
+
+
+_channels: dict[torch.device, HostChannel | CudaChannel] = {}
+_channels_lock = threading.Lock()
+
+
+def channel_for(device: torch.device) -> HostChannel | CudaChannel:
+    """The process-wide channel of a device (created on first use)."""
+    with _channels_lock:
+        if device not in _channels:
+            _channels[device] = CudaChannel(device) if device.type == "cuda" else HostChannel(device)
+        return _channels[device]
+
+
+def transfer_stats(device: torch.device | str | int | None = None) -> dict[str, int]:
+    """Cumulative bytes and copies on TrainStream's D2H and H2D streams of a device
+    (default: the current CUDA device, or the CPU channel without CUDA)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    else:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    with _channels_lock:
+        channel = _channels.get(device)
+    return channel.stats.as_dict() if channel else _Stats().as_dict()

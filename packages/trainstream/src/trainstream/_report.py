@@ -1,0 +1,61 @@
+"""memory_report(): what lives where, and every decision with its reason."""
+
+from __future__ import annotations
+
+import torch
+import ts_pinned
+
+from ._channel import transfer_stats
+
+__all__ = ["memory_report", "pinned_stats"]
+
+
+def pinned_stats() -> dict:
+    """Counters of the page-locked arena, with live bytes per tag in ``"by_tag"``."""
+    return ts_pinned.pinned_stats()
+
+
+def _gpu(device: torch.device | None) -> dict:
+    if device is None or device.type != "cuda":
+        return {"allocated": 0, "reserved": 0, "peak_allocated": 0}
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+    }
+
+
+def memory_report(model: torch.nn.Module | None = None) -> dict:
+    """For a wrapped model: ``events``, ``gpu``, ``pinned``, ``pinned_by_tag``, ``transfers``,
+    ``optimizer`` and ``resident``; without one: ``gpu``, ``pinned`` and ``pinned_by_tag``."""
+    pinned = pinned_stats()
+    by_tag = pinned.pop("by_tag")
+    session = getattr(model, "_trainstream_session", None) if model is not None else None
+    if model is not None and session is None:
+        raise ValueError("memory_report(model) needs a model returned by trainstream.wrap()")
+    device = session.device if session else (torch.device("cuda", torch.cuda.current_device())
+                                             if torch.cuda.is_available() else None)
+    report = {"gpu": _gpu(device), "pinned": pinned, "pinned_by_tag": by_tag}
+    if session is None:
+        return report
+    slots = session.engine.slots
+    placements: dict[str, dict[str, int]] = {}
+    for slot in slots:
+        entry = placements.setdefault(slot.placement, {"params": 0, "values": 0, "state_bytes": 0})
+        entry["params"] += 1
+        entry["values"] += slot.numel
+        entry["state_bytes"] += slot.state_bytes()
+    report.update({
+        "events": session.events.lines(),
+        "transfers": transfer_stats(session.device),
+        "optimizer": {
+            "mode": session.config.optimizer_mode,
+            "moment_dtype": str(session.moment_dtype).removeprefix("torch."),
+            "steps": session.steps,
+            "host_updates": session.engine.host.updates,
+            "placements": placements,
+            "last_grad_norm": session.engine.last_grad_norm,
+        },
+        "resident": all(s.placement == "device" for s in slots),
+    })
+    return report

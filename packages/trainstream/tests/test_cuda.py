@@ -1,0 +1,159 @@
+"""GPU behaviour of wrap(): overlap, lower VRAM, the same numbers as the CPU path,
+and the automatic placements. Run on a GPU machine (tools/gpu_run.sh)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from ts_testing import batches, loss_of, max_param_diff, tiny_llama
+
+import trainstream
+
+pytestmark = pytest.mark.cuda
+
+
+def _mid_llama(layers=8, hidden=1024):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=8, vocab_size=4096,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def _train(model, opt, data, device="cuda"):
+    losses = []
+    for ids in data:
+        loss = loss_of(model, ids.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model._trainstream_session.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu"])
+def test_cuda_path_matches_cpu_path(mode):
+    cpu_model = tiny_llama()
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    data = batches(10)
+    cpu_model, cpu_opt = trainstream.wrap(cpu_model, lr=2e-3)
+    gpu_model, gpu_opt = trainstream.wrap(gpu_model, lr=2e-3, optimizer_mode=mode, offload=True)
+    cpu_losses = _train(cpu_model, cpu_opt, data, "cpu")
+    gpu_losses = _train(gpu_model, gpu_opt, data)
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-3)
+    assert max_param_diff(gpu_model.cpu(), cpu_model) < 2e-4  # fp32 GPU matmuls differ from CPU ones
+
+
+def test_matches_stock_adamw_with_fp32_master_on_bf16_model():
+    reference = _mid_llama(layers=2, hidden=256).cuda()
+    ours = copy.deepcopy(reference).to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    ours, opt = trainstream.wrap(ours, lr=1e-3, offload=True)
+    data = batches(8, vocab=4096, seq=64)
+    for ids in data:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_of(reference, ids.cuda()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _train(ours, opt, data)
+    masters = opt.state_dict()["state"]
+    for i, p in enumerate(reference.parameters()):
+        # bf16 forward/backward in both; the masters track within bf16 gradient noise
+        assert (masters[i]["master_param"].cuda() - p).abs().max().item() < 5e-3
+
+
+def test_host_updates_overlap_backward():
+    model = _mid_llama().cuda().to(torch.bfloat16)
+    model, opt = trainstream.wrap(model, lr=1e-4, offload=True)
+    session = model._trainstream_session
+    data = batches(4, vocab=4096, batch=8, seq=512)
+    _train(model, opt, data[:2])
+    updates_before = session.engine.host.updates
+    ids = data[2].cuda()
+    loss = loss_of(model, ids)
+    loss.backward()  # returns once the autograd engine has launched everything
+    during = session.engine.host.updates - updates_before
+    torch.cuda.synchronize()
+    opt.step()
+    session.synchronize()
+    total = session.engine.host.updates - updates_before
+    assert total == len(list(model.parameters()))
+    assert during > 0, "no host update ran while backward was still in flight"
+
+
+def test_peak_vram_is_lower_than_stock_by_the_optimizer_state():
+    def peak(wrapped: bool) -> int:
+        model = _mid_llama().cuda().to(torch.bfloat16)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if wrapped:
+            model, opt = trainstream.wrap(model, lr=1e-4, offload=True)
+            _train(model, opt, batches(3, vocab=4096, batch=4, seq=256))
+        else:
+            master = [p.detach().float().requires_grad_() for p in model.parameters()]
+            opt = torch.optim.AdamW(master, lr=1e-4, fused=True)
+            for ids in batches(3, vocab=4096, batch=4, seq=256):
+                loss_of(model, ids.cuda()).backward()
+                for m, p in zip(master, model.parameters()):
+                    m.grad = p.grad.float()
+                    p.grad = None
+                opt.step()
+                opt.zero_grad()
+                for m, p in zip(master, model.parameters()):
+                    p.data.copy_(m)
+        torch.cuda.synchronize()
+        value = torch.cuda.max_memory_allocated()
+        del model, opt
+        torch.cuda.empty_cache()
+        return value
+
+    values = sum(p.numel() for p in _mid_llama().parameters())
+    stock, ours = peak(False), peak(True)
+    assert stock - ours >= 0.9 * values * 12  # fp32 master + two fp32 moments no longer in VRAM
+
+
+def test_offload_auto_moves_state_to_vram_when_it_fits():
+    model, opt = trainstream.wrap(tiny_llama().cuda(), lr=1e-3)  # offload="auto" by default
+    session = model._trainstream_session
+    assert session.adapting
+    _train(model, opt, batches(3))
+    assert not session.adapting
+    report = trainstream.memory_report(model)
+    assert report["resident"] is True
+    assert any("offload='auto'" in e for e in report["events"])
+
+
+def test_optimizer_mode_auto_splits_under_a_vram_cap():
+    model = _mid_llama().cuda().to(torch.bfloat16)
+    values = sum(p.numel() for p in model.parameters())
+    free_after_step = 6 * values  # room for about half of the 12 bytes/value state
+    weights = values * 2
+    cap = weights * 3 + free_after_step  # weights, grads in flight and activations, plus the room
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total / 0.9))
+    try:
+        model, opt = trainstream.wrap(model, lr=1e-4, optimizer_mode="auto", offload=True)
+        _train(model, opt, batches(3, vocab=4096, batch=2, seq=128))
+        placements = trainstream.memory_report(model)["optimizer"]["placements"]
+        assert "device" in placements and "host" in placements, placements
+        _train(model, opt, batches(2, seed=9, vocab=4096, batch=2, seq=128))  # mixed placement keeps training
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_step_time_is_reported_and_reasonable():
+    model = _mid_llama(layers=4).cuda().to(torch.bfloat16)
+    model, opt = trainstream.wrap(model, lr=1e-4, offload=True)
+    data = batches(6, vocab=4096, batch=4, seq=256)
+    _train(model, opt, data[:2])
+    start = time.perf_counter()
+    _train(model, opt, data[2:])
+    per_step = (time.perf_counter() - start) / 4
+    assert per_step < 2.0
+    assert trainstream.transfer_stats()["h2d_bytes"] > 0

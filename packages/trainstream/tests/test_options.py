@@ -1,0 +1,89 @@
+"""Bad options and impossible plans are refused up front with clear messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ts_testing import tiny_llama
+
+import trainstream
+import ts_pinned
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"optimizer_mode": "tpu"}, "optimizer_mode='tpu' is not valid; use one of 'cpu', 'gpu', 'auto'"),
+        ({"offload": False}, "offload=False is not valid"),
+        ({"offload": 1}, "offload=1 is not valid"),
+        ({"moment_dtype": "fp16"}, "moment_dtype='fp16' is not valid"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm=-1.0 is not valid"),
+        ({"accumulation_steps": 0}, "accumulation_steps=0 is not valid"),
+        ({"accumulation_steps": 2.5}, "accumulation_steps=2.5 is not valid"),
+        ({"threads": 0}, "threads=0 is not valid"),
+        ({"vram_headroom": 1.5}, "vram_headroom=1.5 is not valid"),
+        ({"lr": -1}, "lr=-1 is not valid"),
+        ({"check_memory": "yes"}, "check_memory='yes' is not valid"),
+        ({"device": "tpu"}, "device='tpu' is not"),
+        ({"quantize_weights": True}, "unknown wrap() option(s): quantize_weights"),
+    ],
+)
+def test_bad_option_values(options, message):
+    with pytest.raises(ValueError) as error:
+        trainstream.wrap(tiny_llama(), **options)
+    assert message in str(error.value)
+
+
+def test_aliases_are_accepted():
+    model, opt = trainstream.wrap(tiny_llama(), moment_dtype=torch.bfloat16)
+    assert model._trainstream_session.moment_dtype == torch.bfloat16
+    assert model._trainstream_session.config.moment_dtype == "bfloat16"
+
+
+def test_unsupported_optimizers():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="not SGD"):
+        trainstream.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
+    with pytest.raises(ValueError, match="L2 penalty"):
+        trainstream.wrap(model, torch.optim.Adam(model.parameters(), weight_decay=0.1))
+
+
+def test_adam_without_weight_decay_is_accepted():
+    model = tiny_llama()
+    _, opt = trainstream.wrap(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    assert opt.param_groups[0]["weight_decay"] == 0
+
+
+def test_wrapping_twice_is_refused():
+    model, _ = trainstream.wrap(tiny_llama())
+    with pytest.raises(ValueError, match="already wrapped"):
+        trainstream.wrap(model)
+
+
+def test_gpu_mode_without_cuda_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        trainstream.wrap(tiny_llama(), optimizer_mode="gpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        trainstream.wrap(tiny_llama(), device="cuda")
+
+
+def test_run_that_cannot_fit_in_host_ram_is_refused(monkeypatch):
+    small = ts_pinned.PageLockBudget(memlock_limit=None, mem_available=10_000, mem_total=20_000, budget=8_000)
+    monkeypatch.setattr(ts_pinned, "page_lock_budget", lambda *a, **k: small)
+    with pytest.raises(MemoryError) as error:
+        trainstream.wrap(tiny_llama())
+    text = str(error.value)
+    assert "GiB of page-locked host RAM" in text and "bfloat16 moments would need" in text
+    # check_memory=False lets it try (this tiny model does fit in real RAM)
+    model, _ = trainstream.wrap(tiny_llama(), check_memory=False)
+    assert model._trainstream_session.moment_dtype == torch.bfloat16
+
+
+def test_stepping_an_unwrapped_offload_adamw_explains():
+    opt = trainstream.OffloadAdamW(tiny_llama().parameters())
+    with pytest.raises(RuntimeError, match="call trainstream.wrap"):
+        opt.step()

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (torch preinstalled, no network): builds the chosen
+# packages with CUDA, runs their GPU-marked tests (plus the CPU ones), and
+# optional benchmarks. Logs and JSON land in $OUT (or ./results).
+#
+#   tools/gpu_run.sh [-b "pinned adamw quant"] [-a "bench args"] [-k PYTEST_EXPR] [package ...]
+#
+# Packages default to every one under packages/. The device tool's call is e.g.
+#   bash tools/gpu_run.sh -b "pinned adamw" ts-pinned ts-adamw
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+benches="" bench_args="" select=""
+while getopts "b:a:k:" opt; do
+  case $opt in
+    b) benches=$OPTARG ;;
+    a) bench_args=$OPTARG ;;
+    k) select=$OPTARG ;;
+    *) echo "usage: $0 [-b benches] [-a bench-args] [-k expr] [package ...]"; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+order="ts-pinned ts-adamw ts-quant ts-kvcache ts-peer ts-planner trainstream"
+wanted=${*:-$order}
+export TS_ENABLE_CUDA=ON TS_CUDA_ARCHITECTURES=${TS_CUDA_ARCHITECTURES:-90} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2;
+  python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'; } | tee "$OUT/machine.txt"
+
+status=0
+install=()
+for p in $order; do
+  [ -f "packages/$p/pyproject.toml" ] || continue
+  case " $wanted " in *" $p "*) install+=("packages/$p") ;; esac
+  # trainstream needs its dependencies installed too
+  if [[ " $wanted " == *" trainstream "* && " ts-pinned ts-adamw ts-quant " == *" $p "* ]]; then
+    [[ " ${install[*]} " == *" packages/$p "* ]] || install+=("packages/$p")
+  fi
+done
+start=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps "${install[@]}" > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+echo "built ${install[*]} in $(( $(date +%s) - start )) s"
+
+tests=()
+for dir in "${install[@]}"; do tests+=("$dir/tests"); done
+python3 -m pytest -q -p no:cacheprovider ${select:+-k "$select"} "${tests[@]}" 2>&1 | tee "$OUT/tests.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+for b in $benches; do
+  echo "== bench $b"
+  python3 "tools/bench/$b.py" --json "$OUT/bench-$b.json" $bench_args 2>&1 | tee "$OUT/bench-$b.log" | tail -40
+done
+exit $status
