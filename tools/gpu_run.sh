@@ -37,13 +37,19 @@ for p in $order; do
     [[ " ${install[*]} " == *" packages/$p "* ]] || install+=("packages/$p")
   fi
 done
-start=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps "${install[@]}" > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-echo "built ${install[*]} in $(( $(date +%s) - start )) s"
-
 tests=()
-for dir in "${install[@]}"; do tests+=("$dir/tests"); done
-python3 -m pytest -q -p no:cacheprovider ${select:+-k "$select"} "${tests[@]}" 2>&1 | tee "$OUT/tests.log" | tail -25
+for dir in "${install[@]}"; do
+  start=$(date +%s)
+  name=$(basename "$dir")
+  if python3 -m pip install -q --no-build-isolation --no-deps "$dir" > "$OUT/build-$name.log" 2>&1; then
+    echo "built $name in $(( $(date +%s) - start )) s"
+    tests+=("$dir/tests")
+  else
+    echo "BUILD FAILED: $name"; tail -30 "$OUT/build-$name.log"; status=1
+  fi
+done
+
+python3 -m pytest -q -p no:cacheprovider ${select:+-k "$select"} "${tests[@]}" 2>&1 | tee "$OUT/tests.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 for b in $benches; do
