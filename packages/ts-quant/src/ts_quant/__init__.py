@@ -1,7 +1,27 @@
-"""Block quantization for frozen PyTorch weights: int8, NF4, FP8 and NVFP4 (CPU and CUDA kernels)."""
+"""Block quantization for frozen PyTorch weights: int8, NF4, FP8 and NVFP4 (CPU and CUDA kernels),
+QuantizedTensor, and a quantized linear layer for LoRA-style training."""
 
 from ._formats import DEFAULT_BLOCK, FORMATS
+from ._linear import QuantLinear, configure_linear, linear_path, quantized_linear
+from ._scaled import fp8_linear_emulated, nvfp4_columns, nvfp4_linear_emulated
+from ._swizzle import swizzle_block_scales
 from ._tensor import QuantizedTensor, quantize
+from .reference import dequantize_reference, quantize_reference
 
-__all__ = ["DEFAULT_BLOCK", "FORMATS", "QuantizedTensor", "quantize"]
+__all__ = [
+    "DEFAULT_BLOCK",
+    "FORMATS",
+    "QuantLinear",
+    "QuantizedTensor",
+    "configure_linear",
+    "dequantize_reference",
+    "fp8_linear_emulated",
+    "linear_path",
+    "nvfp4_columns",
+    "nvfp4_linear_emulated",
+    "quantize",
+    "quantize_reference",
+    "quantized_linear",
+    "swizzle_block_scales",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,164 @@
+"""quantized_linear (autograd function for frozen quantized weights) and QuantLinear."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _scaled
+from ._tensor import QuantizedTensor, quantize
+from ._tiled import tiled_linear
+
+__all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
+
+_settings = {"tiles": 4}
+_broken: set[str] = set()  # tensor-core paths that failed once in this process
+
+
+def configure_linear(tiles: int | None = None) -> dict:
+    """Sets the row tiles of the overlapped dequantize+matmul path (1: no tiling). Returns the settings."""
+    if tiles is not None:
+        if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+            raise ValueError(f"tiles={tiles!r} must be an int >= 1")
+        _settings["tiles"] = tiles
+    return dict(_settings)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
+    """The forward path quantized_linear takes for these operands, and why not a faster one.
+
+    "fp8_scaled_mm" (Hopper, fp8 128x128 weights, N and K multiples of 128), "nvfp4_scaled_mm"
+    (sm_100+, K a multiple of 32), "dequantize_tiled" (CUDA: dequantization overlapped with bf16
+    matmuls), "dequantize" (CPU, or tiles=1: dequantize then F.linear).
+    """
+    n, k = qweight.shape
+    if x.device.type != "cuda":
+        return "dequantize"
+    has_scaled_mm = hasattr(F, "scaled_mm")
+    if qweight.format == "fp8" and has_scaled_mm and "fp8_scaled_mm" not in _broken:
+        if (_capability(x.device) == (9, 0) and qweight.block_size == 128 and n % 128 == 0 and k % 128 == 0
+                and not qweight.double_quant):
+            return "fp8_scaled_mm"
+    if qweight.format == "nvfp4" and has_scaled_mm and "nvfp4_scaled_mm" not in _broken:
+        if _capability(x.device)[0] >= 10 and k % 32 == 0 and hasattr(torch, "float4_e2m1fn_x2"):
+            return "nvfp4_scaled_mm"
+    return "dequantize_tiled" if _settings["tiles"] > 1 and n > 1 else "dequantize"
+
+
+def _check_operands(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tensor | None, outliers: float) -> None:
+    if not isinstance(qweight, QuantizedTensor):
+        raise TypeError(f"qweight must be a QuantizedTensor, got {type(qweight).__name__}")
+    if len(qweight.shape) != 2:
+        raise ValueError(f"qweight must be 2-D [out_features, in_features], got shape {tuple(qweight.shape)}")
+    if x.shape[-1] != qweight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but qweight expects {qweight.shape[1]}")
+    if x.device != qweight.device and not (x.device.type == qweight.device.type == "cuda"
+                                           and qweight.device.index is None):
+        raise ValueError(f"x is on {x.device} but qweight on {qweight.device}; move one with .to()")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x dtype {x.dtype} is not supported; use float32, bfloat16 or float16")
+    if bias is not None and bias.shape != (qweight.shape[0],):
+        raise ValueError(f"bias must have shape ({qweight.shape[0]},), got {tuple(bias.shape)}")
+    if not 0.0 <= outliers < 1.0:
+        raise ValueError(f"outliers={outliers} must be a fraction in [0, 1)")
+    if outliers and qweight.format != "nvfp4":
+        raise ValueError(f"outliers applies to nvfp4 weights (their 4-bit input), not {qweight.format}")
+
+
+def _forward(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, outliers: float) -> torch.Tensor:
+    path = linear_path(x2d, q)
+    if path in ("fp8_scaled_mm", "nvfp4_scaled_mm"):
+        try:
+            if path == "fp8_scaled_mm":
+                return _scaled.fp8_scaled_mm_linear(x2d, q, bias)
+            return _scaled.nvfp4_scaled_mm_linear(x2d, q, bias, outliers)
+        except RuntimeError as error:  # an unsupported torch build: fall back once, loudly
+            _broken.add(path)
+            warnings.warn(f"ts_quant: {path} failed ({error}); using dequantize + matmul from now on",
+                          RuntimeWarning, stacklevel=3)
+            path = linear_path(x2d, q)
+    if path == "dequantize_tiled":
+        return tiled_linear(x2d, q, bias, _settings["tiles"])
+    return F.linear(x2d, q.dequantize(x2d.dtype), bias)
+
+
+class _QuantizedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, qweight, bias, outliers):
+        ctx.qweight = qweight
+        ctx.bias_shape = None if bias is None else bias.shape
+        x2d = x.reshape(-1, x.shape[-1])
+        out = _forward(x2d, qweight, bias, outliers)
+        return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qweight = ctx.qweight
+        grad_x = grad_bias = None
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_x = (g2d @ qweight.dequantize(grad_out.dtype)).reshape(*grad_out.shape[:-1], qweight.shape[1])
+        if ctx.needs_input_grad[2]:
+            grad_bias = g2d.sum(0)
+        return grad_x, None, grad_bias, None
+
+
+def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tensor | None = None,
+                     outliers: float = 0.0) -> torch.Tensor:
+    """y = x @ dequantize(qweight)^T + bias on the fastest correct path (see linear_path).
+
+    The weight is frozen: backward gives the input (and bias) gradient through the dequantized weight,
+    never a weight gradient. outliers (nvfp4 on FP4 tensor cores only; ignored by the dequantize paths,
+    whose input is not quantized): the fraction of input channels kept in the input dtype.
+    """
+    _check_operands(x, qweight, bias, outliers)
+    return _QuantizedLinearFn.apply(x, qweight, bias, float(outliers))
+
+
+class QuantLinear(nn.Module):
+    """nn.Linear with a frozen quantized weight; state_dict holds the codes, scales and bias."""
+
+    def __init__(self, qweight: QuantizedTensor, bias: torch.Tensor | None = None, outliers: float = 0.0) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.out_features, self.in_features = qweight.shape
+        self.outliers = float(outliers)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bias.requires_grad)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str, block_size: int | None = None, *,
+                    double_quant: bool = False, outliers: float = 0.0) -> QuantLinear:
+        """Quantizes linear.weight (on its device); the bias is kept as is, trainable if it was."""
+        q = quantize(linear.weight.detach(), format, block_size, double_quant=double_quant)
+        bias = None
+        if linear.bias is not None:
+            bias = linear.bias.detach().clone().requires_grad_(linear.bias.requires_grad)
+        return cls(q, bias, outliers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.qweight, self.bias, self.outliers)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Follow device moves only: codes and scales keep their dtypes under .half() / .to(dtype).
+        probe = fn(torch.empty(0, device=self.qweight.device))
+        self.qweight = self.qweight.to(probe.device)
+        return self
+
+    def get_extra_state(self) -> dict:
+        return self.qweight.to_state_dict()
+
+    def set_extra_state(self, state: dict) -> None:
+        self.qweight = QuantizedTensor.from_state_dict(state)
+        self.out_features, self.in_features = self.qweight.shape
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.qweight.format}, "
+                f"bias={self.bias is not None}")
