@@ -5,7 +5,7 @@
 //   g  = grad * grad_scale            (negated when maximize)
 //   p  = p * (1 - lr*wd)
 //   m  = lerp(m, g, 1 - beta1)        (torch's lerp: two fused formulas around 0.5)
-//   v  = v * beta2 + ((1 - beta2) * g) * g
+//   v  = fma((1 - beta2) * g, g, v * beta2)
 //   d  = sqrt(v) / sqrt(1 - beta2^step) + eps
 //   p  = p + ((-lr / (1 - beta1^step)) * m) / d
 //
@@ -192,7 +192,7 @@ TSA_HD void update(const Hyper& h, float g_raw, float& p, float& m, float& v) {
     float diff = fsub(g, m);
     // torch's lerp (vectorized on CPU, and on CUDA) fuses the multiply-add.
     m = h.w1 < 0.5f ? ffma(h.w1, diff, m) : ffma(-diff, h.w1_rest, g);
-    v = fadd(fmul(v, h.beta2), fmul(fmul(h.w2, g), g));
+    v = ffma(fmul(h.w2, g), g, fmul(v, h.beta2));  // torch's CPU addcmul fuses this
     float denom = fadd(fdiv(fsqrt(v), h.bc2_sqrt), h.eps);
     p = fadd(p, fdiv(fmul(h.neg_step_size, m), denom));
 }

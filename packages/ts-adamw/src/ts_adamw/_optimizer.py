@@ -80,14 +80,20 @@ class AdamW(torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state from this class or from ``torch.optim.AdamW``; moments become ``moment_dtype``."""
+        """Loads a state from this class or from ``torch.optim.AdamW``; moments become ``moment_dtype``.
+
+        The tensors are copied, so the source (e.g. a live optimizer's ``state_dict()``) is never aliased.
+        """
         super().load_state_dict(state_dict)
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
-                    state[key] = state[key].to(dtype=self.moment_dtype).contiguous()
-            if "step" in state and not isinstance(state["step"], torch.Tensor):
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                    state[key] = state[key].to(dtype=self.moment_dtype, memory_format=torch.contiguous_format,
+                                               copy=True)
+            if "step" in state:
+                step = state["step"]
+                step = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+                state["step"] = torch.tensor(step, dtype=torch.float32)
             state.pop("max_exp_avg_sq", None)
 
     def _collect(self, group: dict, first_slot: int) -> dict[int, list]:
@@ -106,9 +112,9 @@ class AdamW(torch.optim.Optimizer):
             if grad.dtype not in _GRAD_DTYPES or grad.device.type != "cpu" or grad.numel() != p.numel():
                 raise ValueError(f"gradient of a {tuple(p.shape)} parameter is {grad.dtype} {tuple(grad.shape)} "
                                  f"on {grad.device}; it must be a CPU float32/bfloat16/float16 tensor of equal size")
-            state = self.state[p]
+            state = self.state.get(p, {})  # .get: a failed step must not even add empty entries
             step = int(state["step"].item()) + 1 if "step" in state else 1
-            buckets.setdefault(step, []).append((p, grad.detach().contiguous(), state, first_slot + index))
+            buckets.setdefault(step, []).append((p, grad.detach().contiguous(), first_slot + index))
         return buckets
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
@@ -133,14 +139,15 @@ class AdamW(torch.optim.Optimizer):
         for group, buckets in plans:
             beta1, beta2 = group["betas"]
             for step, items in buckets.items():
-                for p, _, state, _ in items:
+                states = [self.state[p] for p, _, _ in items]
+                for (p, _, _), state in zip(items, states):
                     self._init_state(p, state)
-                _core.step([p.detach() for p, _, _, _ in items], [g for _, g, _, _ in items],
-                           [s["exp_avg"] for _, _, s, _ in items], [s["exp_avg_sq"] for _, _, s, _ in items],
-                           [], [k & 0xFFFFFFFF for _, _, _, k in items], scalar(group["lr"], "lr"),
+                _core.step([p.detach() for p, _, _ in items], [g for _, g, _ in items],
+                           [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                           [], [k & 0xFFFFFFFF for _, _, k in items], scalar(group["lr"], "lr"),
                            scalar(beta1, "beta1"), scalar(beta2, "beta2"), scalar(group["eps"], "eps"),
                            scalar(group["weight_decay"], "weight_decay"), step, bool(group["maximize"]), 1.0,
                            self.seed & 0xFFFFFFFFFFFFFFFF, self.threads or 0)
-                for _, _, state, _ in items:
+                for state in states:
                     state["step"].fill_(float(step))
         return loss
