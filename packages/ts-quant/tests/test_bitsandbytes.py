@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 import ts_quant
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")

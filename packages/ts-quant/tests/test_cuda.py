@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from torch import nn
-
 import ts_quant
+from torch import nn
 from ts_quant._tiled import tiled_linear
 
 pytestmark = pytest.mark.cuda

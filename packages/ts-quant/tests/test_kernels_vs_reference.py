@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 import ts_quant
 from ts_quant.reference import dequantize_reference, quantize_reference
 

@@ -1,11 +1,11 @@
 """Property-based checks of the formats: round-trip bounds, idempotence, packing."""
 
 import torch
+import ts_quant
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import ts_quant
 from ts_quant.reference import quantize_reference
+
 
 @st.composite
 def tensors(draw):
@@ -89,7 +89,7 @@ def test_nf4_packing_order(codes):
     table = ts_quant.reference.NF4_CODES
     x = torch.cat([table[torch.tensor(codes)], torch.ones(1)])  # absmax exactly 1
     q = ts_quant.quantize(x, "nf4", 66 if len(codes) % 2 == 1 else 2 * ((len(codes) + 2) // 2))
-    packed = codes + [15]
+    packed = [*codes, 15]
     if len(packed) % 2:
         packed.append(7)
     assert q.data.tolist() == [packed[i] << 4 | packed[i + 1] for i in range(0, len(packed), 2)]

@@ -4,9 +4,8 @@ import io
 
 import pytest
 import torch
-from torch import nn
-
 import ts_quant
+from torch import nn
 from ts_quant._tiled import tiled_linear
 
 

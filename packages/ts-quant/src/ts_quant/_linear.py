@@ -42,13 +42,12 @@ def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
     if x.device.type != "cuda":
         return "dequantize"
     has_scaled_mm = hasattr(F, "scaled_mm")
-    if qweight.format == "fp8" and has_scaled_mm and "fp8_scaled_mm" not in _broken:
-        if (_capability(x.device) == (9, 0) and qweight.block_size == 128 and n % 128 == 0 and k % 128 == 0
-                and not qweight.double_quant):
-            return "fp8_scaled_mm"
-    if qweight.format == "nvfp4" and has_scaled_mm and "nvfp4_scaled_mm" not in _broken:
-        if _capability(x.device)[0] >= 10 and k % 32 == 0 and hasattr(torch, "float4_e2m1fn_x2"):
-            return "nvfp4_scaled_mm"
+    if (qweight.format == "fp8" and has_scaled_mm and "fp8_scaled_mm" not in _broken
+            and _capability(x.device) == (9, 0) and qweight.block_size == 128 and n % 128 == 0 and k % 128 == 0):
+        return "fp8_scaled_mm"
+    if (qweight.format == "nvfp4" and has_scaled_mm and "nvfp4_scaled_mm" not in _broken
+            and _capability(x.device)[0] >= 10 and k % 32 == 0 and hasattr(torch, "float4_e2m1fn_x2")):
+        return "nvfp4_scaled_mm"
     return "dequantize_tiled" if _settings["tiles"] > 1 and n > 1 else "dequantize"
 
 
