@@ -6,6 +6,7 @@ Sessions:
   package-<name>        one package installed alone with only what it depends on, its own tests
   dists                 sdist of each package, then a wheel built from that sdist alone
   bench-<name>          a benchmark in tools/bench (CPU here; the GPU numbers come from tools/gpu_run.sh)
+  nf4_bitsandbytes      ts-quant's NF4 bytes against bitsandbytes 0.50 on the CPU (not in ci: a 43 MB download)
 """
 
 from __future__ import annotations
@@ -103,3 +104,12 @@ def bench(session: nox.Session, name: str) -> None:
     _base(session, hf=name == "compare")
     _install_packages(session, PACKAGES)
     session.run("python", f"tools/bench/{name}.py", *session.posargs)
+
+
+@nox.session
+def nf4_bitsandbytes(session: nox.Session) -> None:
+    """NF4 byte-for-byte against bitsandbytes' CPU quantize_4bit; ts-quant itself never imports it."""
+    _base(session)
+    session.install("bitsandbytes==0.50.*")
+    _install_packages(session, ["ts-quant"])
+    session.run("pytest", "-q", "packages/ts-quant/tests/test_bitsandbytes.py", *session.posargs)

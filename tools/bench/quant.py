@@ -1,0 +1,162 @@
+"""ts-quant benchmark: dequantize bandwidth, quantized_linear speed, weight error, CPU quantize rate.
+
+    python tools/bench/quant.py [--json PATH] [--quick]
+
+CUDA-only sections are skipped without a GPU. Shapes: W 13824 x 5120 (a Qwen2.5-14B MLP
+projection) and x 512 x 5120. Prints markdown tables; --json writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import ts_quant
+
+N, K, M = 13824, 5120, 512
+
+
+def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on the current stream (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in GB/s (bytes read + written)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def dequantize_rates(w: torch.Tensor, copy_gbs: float) -> list[dict]:
+    rows = []
+    for fmt in ts_quant.FORMATS:
+        q = ts_quant.quantize(w, fmt)
+        out = torch.empty(w.shape, dtype=torch.bfloat16, device="cuda")
+        scales = q.block_scales().view(torch.uint8) if fmt == "nvfp4" else q.block_scales()
+
+        def run(q=q, out=out, scales=scales):
+            ts_quant._native.native_dequantize(q.format, q.shape, q.data, scales, q.global_scale, q.block_size, out)
+
+        ms = cuda_time_ms(run)
+        moved = q.nbytes + out.numel() * 2
+        gbs = moved / ms / 1e6
+        rows.append({"format": fmt, "ms": ms, "GB/s": gbs, "% of copy": 100 * gbs / copy_gbs})
+    return rows
+
+
+def _bnb_linear():
+    try:
+        import bitsandbytes as bnb
+    except Exception:
+        return None
+    return bnb
+
+
+def linear_rates(w: torch.Tensor) -> list[dict]:
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    wb = w.to(torch.bfloat16)
+    bf16_ms = cuda_time_ms(lambda: F.linear(x, wb))
+    rows = [{"path": "bf16 matmul", "ms": bf16_ms, "x bf16": 1.0}]
+    for fmt in ts_quant.FORMATS:
+        q = ts_quant.quantize(w, fmt)
+        settings = [1, 2, 4, 8] if fmt in ("nf4", "int8") else [ts_quant.configure_linear()["tiles"]]
+        default = ts_quant.configure_linear()["tiles"]
+        for tiles in settings:
+            ts_quant.configure_linear(tiles=tiles)
+            path = ts_quant.linear_path(x, q)
+            ms = cuda_time_ms(lambda q=q: ts_quant.quantized_linear(x, q))
+            rows.append({"path": f"{fmt} ({path}, tiles={tiles})", "ms": ms, "x bf16": ms / bf16_ms})
+        ts_quant.configure_linear(tiles=default)
+    bnb = _bnb_linear()
+    if bnb is not None:
+        packed, state = bnb.functional.quantize_4bit(wb, blocksize=64, quant_type="nf4")
+        ms = cuda_time_ms(lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state))
+        rows.append({"path": f"bitsandbytes {bnb.__version__} matmul_4bit nf4", "ms": ms, "x bf16": ms / bf16_ms})
+    return rows
+
+
+def weight_errors(device: str) -> list[dict]:
+    w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    for fmt in ts_quant.FORMATS:
+        q = ts_quant.quantize(w, fmt)
+        err = (q.dequantize(torch.float32) - w).norm() / w.norm()
+        rows.append({"format": fmt, "relative error %": 100 * err.item(),
+                     "bytes/weight": q.nbytes / w.numel()})
+    return rows
+
+
+def cpu_quantize_rates(quick: bool) -> list[dict]:
+    w = torch.randn(4096 if quick else 8192, 4096).to(torch.bfloat16)
+    rows = []
+    for fmt in ts_quant.FORMATS:
+        ts_quant.quantize(w, fmt)  # warm the pool
+        start = time.perf_counter()
+        reps = 3
+        for _ in range(reps):
+            ts_quant.quantize(w, fmt)
+        seconds = (time.perf_counter() - start) / reps
+        rows.append({"format": fmt, "M values/s": w.numel() / seconds / 1e6,
+                     "GB/s of bf16 input": w.numel() * 2 / seconds / 1e9})
+    return rows
+
+
+def table(title: str, rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = [f"### {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write all results to this path")
+    parser.add_argument("--quick", action="store_true", help="smaller CPU tensors")
+    args = parser.parse_args()
+    result = {"torch": torch.__version__, "host": platform.node(), "host_threads": ts_quant._core.host_threads(),
+              "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        result["device"] = torch.cuda.get_device_name()
+        result["copy GB/s"] = copy_bandwidth()
+        w = torch.randn(N, K, device="cuda")
+        result["dequantize"] = dequantize_rates(w, result["copy GB/s"])
+        result["linear"] = linear_rates(w)
+        del w
+    result["weight error"] = weight_errors("cuda" if torch.cuda.is_available() else "cpu")
+    result["cpu quantize"] = cpu_quantize_rates(args.quick)
+    print(f"ts-quant bench: torch {result['torch']}, {result.get('device', 'no GPU')}, "
+          f"{result['host_threads']} host threads")
+    if "copy GB/s" in result:
+        print(f"\nHBM copy: {result['copy GB/s']:.0f} GB/s\n")
+        print(table(f"Dequantize W {N}x{K} to bf16 (bytes read + written)", result["dequantize"]))
+        print(table(f"Forward x {M}x{K} @ W^T, W {N}x{K}", result["linear"]))
+    print(table("Weight error on a 4096x4096 N(0,1) matrix (||dequant - w|| / ||w||)", result["weight error"]))
+    print(table("CPU quantize (bf16 input)", result["cpu quantize"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
