@@ -64,8 +64,9 @@ def test_cuda_tiled_overlap_matches_plain(fmt):
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
     want = nn.functional.linear(x, q.dequantize(torch.bfloat16), bias)
-    for tiles in (2, 4, 8):
-        torch.testing.assert_close(tiled_linear(x, q, bias, tiles), want, rtol=0, atol=0)
+    for tiles in (2, 4, 8):  # cuBLAS may pick another kernel per tile width: bf16 tolerance, not bits
+        torch.testing.assert_close(tiled_linear(x, q, bias, tiles), want)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("fmt", ts_quant.FORMATS)
