@@ -30,7 +30,8 @@ enum class Kind : int { none = 0, f32 = 1, bf16 = 2, f16 = 3 };
 struct Hyper {
     float decay;          // 1 - lr*wd
     float w1;             // 1 - beta1 (lerp weight)
-    float w1_rest;        // 1 - w1 in fp32 (lerp's second formula)
+    float lerp_coeff;     // w1, or w1 - 1 when w1 >= 0.5 (lerp's second formula)
+    bool lerp_small;      // w1 < 0.5: lerp = m + w1*(g - m), else g + (w1 - 1)*(g - m)
     float beta2;
     float w2;             // 1 - beta2
     float bc2_sqrt;       // sqrt(1 - beta2^step)
@@ -185,16 +186,23 @@ TSA_HD float fsqrt(float a) {
 }
 
 // One element: p, m, v updated in place (m, v in fp32 here; the caller loads
-// and stores them in their storage format).
-TSA_HD void update(const Hyper& h, float g_raw, float& p, float& m, float& v) {
+// and stores them in their storage format). SmallWeight = hyper.lerp_small,
+// a template argument so host loops carry no per-element select.
+template <bool SmallWeight>
+TSA_HD void update_with(const Hyper& h, float g_raw, float& p, float& m, float& v) {
     float g = fmul(g_raw, h.grad_scale);
     p = fmul(p, h.decay);
     float diff = fsub(g, m);
     // torch's lerp (vectorized on CPU, and on CUDA) fuses the multiply-add.
-    m = h.w1 < 0.5f ? ffma(h.w1, diff, m) : ffma(-diff, h.w1_rest, g);
+    m = ffma(h.lerp_coeff, diff, SmallWeight ? m : g);
     v = ffma(fmul(h.w2, g), g, fmul(v, h.beta2));  // torch's CPU addcmul fuses this
     float denom = fadd(fdiv(fsqrt(v), h.bc2_sqrt), h.eps);
     p = fadd(p, fdiv(fmul(h.neg_step_size, m), denom));
+}
+
+TSA_HD void update(const Hyper& h, float g_raw, float& p, float& m, float& v) {
+    if (h.lerp_small) update_with<true>(h, g_raw, p, m, v);
+    else update_with<false>(h, g_raw, p, m, v);
 }
 
 }  // namespace ts_adamw

@@ -18,8 +18,8 @@ namespace {
 template <Kind K>
 using storage_t = std::conditional_t<K == Kind::f32 || K == Kind::none, float, uint16_t>;
 
-template <Kind GK, Kind MK, Kind OK>
-inline __attribute__((always_inline)) void update_loop(const Hyper& hyper, float* __restrict p,
+template <Kind GK, Kind MK, Kind OK, bool Small>
+inline __attribute__((always_inline)) void update_loop_with(const Hyper& hyper, float* __restrict p,
                                                        const storage_t<GK>* __restrict g,
                                                        storage_t<MK>* __restrict m, storage_t<MK>* __restrict v,
                                                        storage_t<OK>* __restrict out, int64_t n, uint32_t idx0,
@@ -36,7 +36,7 @@ inline __attribute__((always_inline)) void update_loop(const Hyper& hyper, float
             mi = bf16_load(m[i]);
             vi = bf16_load(v[i]);
         }
-        update(h, gi, pi, mi, vi);
+        update_with<Small>(h, gi, pi, mi, vi);
         p[i] = pi;
         if constexpr (MK == Kind::f32) {
             m[i] = mi;
@@ -48,6 +48,14 @@ inline __attribute__((always_inline)) void update_loop(const Hyper& hyper, float
         }
         if constexpr (OK != Kind::none) store_nearest<OK>(out, i, pi);
     }
+}
+
+template <Kind GK, Kind MK, Kind OK>
+inline __attribute__((always_inline)) void update_loop(const Hyper& h, float* p, const storage_t<GK>* g,
+                                                       storage_t<MK>* m, storage_t<MK>* v, storage_t<OK>* out,
+                                                       int64_t n, uint32_t idx0, uint32_t key) {
+    if (h.lerp_small) update_loop_with<GK, MK, OK, true>(h, p, g, m, v, out, n, idx0, key);
+    else update_loop_with<GK, MK, OK, false>(h, p, g, m, v, out, n, idx0, key);
 }
 
 using KernelFn = void (*)(const Hyper&, float*, const void*, void*, void*, void*, int64_t, uint32_t, uint32_t);

@@ -42,7 +42,8 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
     Hyper h;
     h.decay = float(1.0 - lr * weight_decay);
     h.w1 = float(1.0 - beta1);
-    h.w1_rest = 1.0f - h.w1;
+    h.lerp_small = h.w1 < 0.5f;
+    h.lerp_coeff = h.lerp_small ? h.w1 : -(1.0f - h.w1);  // 1 - w1 is exact for w1 in [0.5, 1]
     h.beta2 = float(beta2);
     h.w2 = float(1.0 - beta2);
     h.bc2_sqrt = float(std::pow(bc2, 0.5));

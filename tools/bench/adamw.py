@@ -1,0 +1,179 @@
+"""Benchmark: ts_adamw's host engine and CUDA kernel against torch's AdamW, beside the memory bandwidth.
+
+Measures, in one run: host memory bandwidth (a large threaded tensor copy), then G params/s and effective
+GB/s for one AdamW step over ``--params`` parameters: ts_adamw with fp32 and bf16 moments vs torch's fused
+and foreach CPU AdamW at the same thread count; with a GPU also the CUDA kernel (device state and zero-copy
+pinned host state) vs a device copy and torch's fused CUDA AdamW. Prints a markdown table; ``--json``
+writes the rows. Effective bytes count what an ideal single pass moves (fp32: 28 bytes per parameter).
+
+    python tools/bench/adamw.py                 # 256M parameters (~3 minutes on 16 cores)
+    python tools/bench/adamw.py --params 16M    # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import ts_adamw
+
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
+
+
+def parse_count(text: str) -> int:
+    """'256M', '1G', '500k' or a plain integer, as a parameter count."""
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}
+    text = text.strip().lower()
+    if text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(text)
+
+
+def median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of fn (seconds) after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def filled(n: int, device: str = "cpu", dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.empty(n, device=device).uniform_(-scale, scale)).to(dtype)
+
+
+def host_bandwidth(n: int, repeats: int) -> float:
+    """Host copy bandwidth in bytes/s (read + write) over max(n fp32, 256 MB)."""
+    count = max(n, 1 << 26)
+    src, dst = filled(count), torch.empty(count)
+    t = median_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * 4 * count / t
+
+
+def row(name: str, n: int, seconds: float, bytes_per_param: int, threads: int | str) -> dict:
+    return {"variant": name, "threads": threads, "params": n, "seconds": seconds,
+            "gparams_per_s": n / seconds / 1e9, "gbytes_per_s": bytes_per_param * n / seconds / 1e9}
+
+
+def bench_ts_host(n: int, moments: torch.dtype, threads: int, repeats: int) -> dict:
+    p, g = filled(n), filled(n, scale=1e-2)
+    m, v = torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
+    state = {"step": 0}
+
+    def step():
+        state["step"] += 1
+        ts_adamw.adamw_step(p, g, m, v, step=state["step"], threads=threads, **HYPER)
+
+    t = median_seconds(step, repeats)
+    name = f"ts_adamw host, {'fp32' if moments == torch.float32 else 'bf16'} moments"
+    return row(name, n, t, 28 if moments == torch.float32 else 20, threads)
+
+
+def bench_torch(n: int, device: str, mode: str, threads: int | str, repeats: int) -> dict:
+    p = torch.nn.Parameter(filled(n, device))
+    p.grad = filled(n, device, scale=1e-2)
+    opt = torch.optim.AdamW([p], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            weight_decay=HYPER["weight_decay"], **{mode: True})
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t = median_seconds(opt.step, repeats, sync)
+    return row(f"torch.optim.AdamW {mode} ({device})", n, t, 28, threads)
+
+
+def bench_ts_cuda(n: int, moments: torch.dtype, zero_copy: bool, repeats: int) -> dict:
+    where = "cpu" if zero_copy else "cuda"
+    p = filled(n, where)
+    m, v = torch.zeros(n, dtype=moments, device=where), torch.zeros(n, dtype=moments, device=where)
+    if zero_copy:
+        p, m, v = p.pin_memory(), m.pin_memory(), v.pin_memory()
+    g = filled(n, "cuda", scale=1e-2)
+    state = {"step": 0}
+
+    def step():
+        state["step"] += 1
+        ts_adamw.cuda_adamw_step([p], [g], [m], [v], step=state["step"], **HYPER)
+
+    t = median_seconds(step, repeats, torch.cuda.synchronize)
+    kind = "zero-copy pinned host state" if zero_copy else "device state"
+    bpp = 28 if moments == torch.float32 else 20
+    return row(f"ts_adamw CUDA, {kind}, {'fp32' if moments == torch.float32 else 'bf16'} moments", n, t, bpp, "gpu")
+
+
+def device_bandwidth(n: int, repeats: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write)."""
+    src, dst = filled(n, "cuda"), torch.empty(n, device="cuda")
+    t = median_seconds(lambda: dst.copy_(src), repeats, torch.cuda.synchronize)
+    return 2 * 4 * n / t
+
+
+def run(n: int, threads: int, repeats: int, zero_copy_params: int) -> dict:
+    torch.set_num_threads(threads)
+    result = {"params": n, "threads": threads, "host_isa": ts_adamw.host_isa(), "cpu": platform.processor(),
+              "torch": torch.__version__, "rows": []}
+    result["host_bandwidth_gbs"] = host_bandwidth(n, repeats) / 1e9
+    rows = result["rows"]
+    rows.append(bench_ts_host(n, torch.float32, threads, repeats))
+    rows.append(bench_ts_host(n, torch.bfloat16, threads, repeats))
+    rows.append(bench_torch(n, "cpu", "fused", threads, repeats))
+    rows.append(bench_torch(n, "cpu", "foreach", threads, max(1, repeats - 1)))
+    for r in rows:
+        r["of_bandwidth"] = r["gbytes_per_s"] / result["host_bandwidth_gbs"]
+    if torch.cuda.is_available() and ts_adamw.built_with_cuda:
+        result["gpu"] = torch.cuda.get_device_name()
+        result["device_bandwidth_gbs"] = device_bandwidth(n, repeats) / 1e9
+        gpu_rows = [bench_ts_cuda(n, torch.float32, False, repeats), bench_ts_cuda(n, torch.bfloat16, False, repeats),
+                    bench_torch(n, "cuda", "fused", "gpu", repeats),
+                    bench_ts_cuda(zero_copy_params, torch.float32, True, repeats)]
+        for r in gpu_rows[:3]:
+            r["of_bandwidth"] = r["gbytes_per_s"] / result["device_bandwidth_gbs"]
+        rows.extend(gpu_rows)
+    fused = next(r for r in rows if r["variant"] == "torch.optim.AdamW fused (cpu)")
+    for r in rows:
+        if r["threads"] != "gpu":
+            r["vs_torch_fused"] = r["gparams_per_s"] / fused["gparams_per_s"]
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['params'] / 1e6:.0f}M parameters, {result['threads']} threads, ISA {result['host_isa']}, "
+             f"host copy bandwidth {result['host_bandwidth_gbs']:.1f} GB/s"
+             + (f", {result['gpu']} copy bandwidth {result['device_bandwidth_gbs']:.0f} GB/s" if "gpu" in result
+                else ""),
+             "",
+             "| variant | threads | G params/s | GB/s | % of copy bandwidth | vs torch fused CPU |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        share = f"{100 * r['of_bandwidth']:.0f}%" if "of_bandwidth" in r else "-"
+        speedup = f"{r['vs_torch_fused']:.2f}x" if "vs_torch_fused" in r else "-"
+        lines.append(f"| {r['variant']} | {r['threads']} | {r['gparams_per_s']:.2f} | {r['gbytes_per_s']:.1f} | "
+                     f"{share} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=parse_count, default=parse_count("256M"), help="parameters (256M, 16M, ...)")
+    parser.add_argument("--threads", type=int, default=ts_adamw.host_threads(), help="threads (default: cores)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant (median)")
+    parser.add_argument("--zero-copy-params", type=parse_count, default=None,
+                        help="parameters for the zero-copy CUDA row (default: min(params, 64M))")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    zero_copy = args.zero_copy_params or min(args.params, parse_count("64M"))
+    result = run(args.params, args.threads, args.repeats, zero_copy)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
