@@ -1,6 +1,7 @@
 #include "arena.h"
 
 #include <algorithm>
+#include <new>
 
 #include "ts/errors.h"
 
@@ -8,6 +9,7 @@ namespace ts_pinned {
 
 Arena::Arena(size_t slab_bytes, size_t cap_bytes) : slab_bytes_(slab_bytes), cap_bytes_(cap_bytes) {
     TS_CHECK_ARG(slab_bytes > 0, "slab_bytes must be positive, got 0");
+    TS_CHECK_ARG(slab_bytes <= kMaxRequest, "slab_bytes (", slab_bytes, ") is larger than any host can hold");
 }
 
 Arena::~Arena() {
@@ -32,6 +34,7 @@ bool Arena::add_slab_locked(size_t bytes) {
 }
 
 size_t Arena::reserve(size_t bytes_now, size_t cap) {
+    TS_CHECK_ARG(bytes_now <= kMaxRequest, "bytes_now (", bytes_now, " bytes) is larger than any host can hold");
     std::lock_guard<std::mutex> lock(mutex_);
     if (cap > 0) {
         TS_CHECK_ARG(cap >= bytes_now, "cap (", cap, " bytes) is below bytes_now (", bytes_now,
@@ -40,10 +43,18 @@ size_t Arena::reserve(size_t bytes_now, size_t cap) {
     }
     while (reserved_ < bytes_now) {
         // Slabs of at most slab_bytes, so reserving 1.5 slabs locks 1.5, not 2.
-        size_t want = std::min(slab_bytes_, round_up(bytes_now - reserved_, kAlignment));
+        // Rounded here (not only in add_slab_locked) so that lifting the cap
+        // below lifts it by exactly the slab that is then added.
+        size_t want = round_up(std::min(slab_bytes_, bytes_now - reserved_), kAlignment);
         // Reserving is an explicit request: it may lift the cap to bytes_now.
+        size_t cap_before = cap_bytes_;
         if (cap_bytes_ != kUnlimited && reserved_ + want > cap_bytes_) cap_bytes_ = reserved_ + want;
-        add_slab_locked(want);
+        try {
+            if (!add_slab_locked(want)) ts::throw_runtime_error("internal error: reserve could not add a slab");
+        } catch (...) {
+            cap_bytes_ = cap_before;  // what was reserved so far stays, within the old cap
+            throw;
+        }
     }
     return reserved_;
 }
@@ -58,33 +69,55 @@ void Arena::erase_free_locked(int slab, size_t offset, size_t length) {
     free_by_size_.erase(FreeKey{length, slab, offset});
 }
 
-void* Arena::carve_locked(size_t length) {
+void* Arena::carve_locked(size_t length, Block& block) {
     auto it = free_by_size_.lower_bound(FreeKey{length, -1, 0});
     if (it == free_by_size_.end()) return nullptr;
     auto [free_length, slab, offset] = *it;
     erase_free_locked(slab, offset, free_length);
     if (free_length > length) insert_free_locked(slab, offset + length, free_length - length);
     used_ += length;
+    block.slab = slab;
+    block.offset = offset;
     return static_cast<char*>(slabs_[slab].region.ptr) + offset;
 }
 
+size_t Arena::growth_locked(size_t length) const {
+    // A full slab where the cap leaves room for one, else what the cap still
+    // allows (so a cap that is not a multiple of the slab size is used to its
+    // end); 0 when not even `length` fits.
+    size_t want = std::max(round_up(slab_bytes_, kAlignment), length);
+    if (cap_bytes_ == kUnlimited) return want;
+    size_t room = cap_bytes_ > reserved_ ? (cap_bytes_ - reserved_) / kAlignment * kAlignment : 0;
+    if (room < length) return 0;
+    return std::min(want, room);
+}
+
 void* Arena::allocate(size_t bytes, const std::string& tag, bool allow_pageable) {
+    if (bytes > kMaxRequest) {
+        ts::throw_memory_error("cannot allocate ", bytes, " bytes of host memory: larger than any host can hold");
+    }
     size_t length = round_up(std::max<size_t>(bytes, 1), kAlignment);
     std::lock_guard<std::mutex> lock(mutex_);
-    void* ptr = carve_locked(length);
-    if (ptr == nullptr && add_slab_locked(std::max(slab_bytes_, length))) ptr = carve_locked(length);
     Block block{-1, 0, length, bytes, tag, {}};
-    if (ptr != nullptr) {
-        // Find which slab holds ptr (few slabs: a linear scan is cheapest).
-        for (size_t s = 0; s < slabs_.size(); ++s) {
-            char* base = static_cast<char*>(slabs_[s].region.ptr);
-            if (ptr >= base && ptr < base + slabs_[s].region.bytes) {
-                block.slab = static_cast<int>(s);
-                block.offset = static_cast<size_t>(static_cast<char*>(ptr) - base);
-                break;
+    void* ptr = carve_locked(length, block);
+    if (ptr == nullptr) {
+        size_t grow = growth_locked(length);
+        bool grown = false;
+        if (grow > 0) {
+            // If page-locking a whole slab fails, the request alone may still be
+            // page-locked (or, when the caller allows, made pageable) below.
+            try {
+                grown = add_slab_locked(grow);
+            } catch (const ts::memory_error&) {
+                grown = false;
+            } catch (const std::bad_alloc&) {
+                grown = false;
             }
         }
-    } else {
+        if (grown) ptr = carve_locked(length, block);
+    }
+    if (ptr == nullptr) {
+        block.slab = -1;
         block.standalone = allocate_host(length, allow_pageable);
         ++host_alloc_calls_;
         ++fallbacks_;
@@ -145,6 +178,7 @@ void Arena::release(void* ptr) {
 
 void Arena::set_slab_bytes(size_t bytes) {
     TS_CHECK_ARG(bytes > 0, "slab size must be positive");
+    TS_CHECK_ARG(bytes <= kMaxRequest, "slab size (", bytes, ") is larger than any host can hold");
     std::lock_guard<std::mutex> lock(mutex_);
     slab_bytes_ = bytes;
 }

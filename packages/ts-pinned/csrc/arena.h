@@ -21,6 +21,8 @@
 namespace ts_pinned {
 
 constexpr size_t kUnlimited = SIZE_MAX;
+// Larger requests are refused before any arithmetic on them can overflow.
+constexpr size_t kMaxRequest = SIZE_MAX / 4;
 
 struct ArenaStats {
     size_t arena_bytes = 0;         // reserved in slabs
@@ -81,7 +83,11 @@ private:
     bool add_slab_locked(size_t bytes);
     void insert_free_locked(int slab, size_t offset, size_t length);
     void erase_free_locked(int slab, size_t offset, size_t length);
-    void* carve_locked(size_t length);
+    // Takes `length` bytes from the best-fitting free range; fills block.slab
+    // and block.offset. nullptr when no free range is large enough.
+    void* carve_locked(size_t length, Block& block);
+    // Bytes of the slab to add for a request of `length`; 0 if the cap forbids.
+    size_t growth_locked(size_t length) const;
 
     mutable std::mutex mutex_;
     std::vector<Slab> slabs_;

@@ -80,6 +80,10 @@ void staged_copy(HostBytes src, AnyBytes dst, uintptr_t stream) {
 
 NB_MODULE(_core, m) {
     ts::register_common(m);
+    // Arena blocks are owned by torch tensors, which may still be alive when
+    // the interpreter shuts down; nanobind would then report the arenas they
+    // keep alive as leaks on every exit. They are not leaks: silence that.
+    nb::set_leak_warnings(false);
     m.attr("ALIGNMENT") = kAlignment;
 
     nb::class_<Arena>(m, "Arena", "Slab arena of page-locked host memory (see ts_pinned.PinnedArena).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -15,15 +16,34 @@ from ._sizes import parse_bytes
 __all__ = ["PinnedArena", "default_arena", "empty", "pinned_stats", "reserve_pinned"]
 
 SLAB_ENV = "TRAINSTREAM_HOST_ARENA_SLAB"
+_MAX_BYTES = 1 << 62
 DEFAULT_SLAB_BYTES = 1 << 30
 
 
 def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ValueError(f"shape must be non-negative integers, got {tuple(dims)!r}")
-    return dims
+    """Shape as a tuple of ints; accepts anything with ``__index__`` (numpy ints), rejects bools and floats."""
+    if type(shape) is int and shape >= 0:  # the common cases, cheaply
+        return (shape,)
+    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape):
+        return shape
+    if isinstance(shape, (str, bytes, bool)):
+        raise ValueError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    try:
+        dims_in = (operator.index(shape),) if not isinstance(shape, Sequence) else tuple(shape)
+    except TypeError:
+        raise ValueError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    dims = []
+    for d in dims_in:
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            value = operator.index(d)
+        except TypeError:
+            raise ValueError(f"shape must be non-negative integers, got {dims_in!r}") from None
+        if value < 0:
+            raise ValueError(f"shape must be non-negative integers, got {dims_in!r}")
+        dims.append(value)
+    return tuple(dims)
 
 
 class PinnedArena:
@@ -76,12 +96,15 @@ class PinnedArena:
         if not isinstance(tag, str):
             raise ValueError(f"tag must be a string, got {tag!r}")
         dims = _normalize_shape(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = math.prod(dims) * itemsize
+        nbytes = math.prod(dims) * dtype.itemsize
+        if nbytes > _MAX_BYTES:
+            raise ValueError(f"shape {dims} of {dtype} is {nbytes} bytes, more than any host can hold")
         if nbytes == 0:
             return torch.empty(dims, dtype=dtype)
         raw = _core.allocate(self._arena, nbytes, tag, allow_pageable)
-        return raw.view(dtype).view(dims)
+        if dtype != torch.uint8:
+            raw = raw.view(dtype)
+        return raw if len(dims) == 1 else raw.view(dims)
 
     def stats(self) -> dict:
         """Counters: reserved / used bytes, slabs, cap, fallbacks, live bytes per tag."""

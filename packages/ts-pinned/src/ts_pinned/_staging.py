@@ -31,19 +31,25 @@ def copy_to_device(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stre
         )
     if not dst.is_contiguous():
         raise ValueError("dst must be contiguous (the copy writes its memory directly)")
+    if dst.is_conj() or dst.is_neg():
+        raise ValueError("dst must not be a conjugate or negative view; pass the tensor it views")
     if dst.device.type not in ("cuda", "cpu"):
         raise ValueError(f"dst must be a CUDA or CPU tensor, got {dst.device}")
     if src.numel() == 0:
         return dst
+    # Raw bytes are copied: materialize lazy conjugate / negative views and strides first.
+    plain_src = src.detach().resolve_conj().resolve_neg().contiguous()
     handle = 0
     if dst.device.type == "cuda":
         if stream is None:
             stream = torch.cuda.current_stream(dst.device)
+        if isinstance(stream, torch.cuda.Stream) and stream.device != dst.device:
+            raise ValueError(f"stream is on {stream.device} but dst is on {dst.device}; pass a stream of dst's device")
         handle = stream if isinstance(stream, int) else stream.cuda_stream
         with torch.cuda.device(dst.device):
-            _core.copy_to_device(_as_bytes(src.contiguous()), _as_bytes(dst), handle)
+            _core.copy_to_device(_as_bytes(plain_src), _as_bytes(dst), handle)
     else:
-        _core.copy_to_device(_as_bytes(src.contiguous()), _as_bytes(dst), handle)
+        _core.copy_to_device(_as_bytes(plain_src), _as_bytes(dst), handle)
     return dst
 
 
