@@ -23,6 +23,11 @@ done
 shift $((OPTIND - 1))
 order="ts-pinned ts-adamw ts-quant ts-kvcache ts-peer ts-planner trainstream"
 wanted=${*:-$order}
+# The GPU image's default compiler (/opt/gcc/bin/g++) links libstdc++ statically;
+# C++ exceptions thrown while a core has released the GIL then crash the process
+# beside torch's dynamic libstdc++ (seen on the H200 image, 2026-11-30). The
+# system compiler links it dynamically and works.
+if [[ "${CXX:-}" == /opt/gcc/* && -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 export TS_ENABLE_CUDA=ON TS_CUDA_ARCHITECTURES=${TS_CUDA_ARCHITECTURES:-90} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2;
   python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'; } | tee "$OUT/machine.txt"
@@ -43,7 +48,7 @@ for dir in "${install[@]}"; do
   name=$(basename "$dir")
   if python3 -m pip install -q --no-build-isolation --no-deps "$dir" > "$OUT/build-$name.log" 2>&1; then
     echo "built $name in $(( $(date +%s) - start )) s"
-    tests+=("$dir/tests")
+    [ -d "$dir/tests" ] && tests+=("$dir/tests")
   else
     echo "BUILD FAILED: $name"; tail -30 "$OUT/build-$name.log"; status=1
   fi
