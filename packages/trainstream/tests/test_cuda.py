@@ -51,21 +51,30 @@ def test_cuda_path_matches_cpu_path(mode):
 
 
 def test_matches_stock_adamw_with_fp32_master_on_bf16_model():
+    """Stock mixed precision (fp32 weights, autocast, fused AdamW) against a bf16 model
+    wrapped by trainstream (fp32 master on the host): the updates agree up to bf16 noise."""
     reference = _mid_llama(layers=2, hidden=256).cuda()
+    initial = [p.detach().clone() for p in reference.parameters()]
     ours = copy.deepcopy(reference).to(torch.bfloat16)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
     ours, opt = trainstream.wrap(ours, lr=1e-3, offload=True)
     data = batches(8, vocab=4096, seq=64)
+    ref_losses = []
     for ids in data:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss_of(reference, ids.cuda()).backward()
+            loss = loss_of(reference, ids.cuda())
+        loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    _train(ours, opt, data)
+        ref_losses.append(loss.item())
+    losses = _train(ours, opt, data)
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
     masters = opt.state_dict()["state"]
-    for i, p in enumerate(reference.parameters()):
-        # bf16 forward/backward in both; the masters track within bf16 gradient noise
-        assert (masters[i]["master_param"].cuda() - p).abs().max().item() < 5e-3
+    moved = torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(reference.parameters(), initial)])
+    apart = torch.cat([(masters[i]["master_param"].cuda() - p.detach()).flatten()
+                       for i, p in enumerate(reference.parameters())])
+    # The fp32 masters moved the same way: the disagreement is small next to the update itself.
+    assert apart.norm() / moved.norm() < 0.1, (apart.norm().item(), moved.norm().item())
 
 
 def test_host_updates_overlap_backward():
