@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cmath>
 #include <future>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include "cuda_entry.h"
 #include "host_adamw.h"
 #include "host_norm.h"
+#include "host_stream.h"
 #include "isa.h"
 #include "plan.h"
 #include "ts/bindings.h"
@@ -129,6 +131,46 @@ double squares(const Arrays& tensors, int threads) {
     return sum_of_squares(segments, threads);
 }
 
+// Checks the buffers of a bandwidth kernel: fp32, CPU, contiguous, one element
+// count, and no two overlapping (the kernels assume distinct streams).
+int64_t stream_buffers(const char* fn, const std::vector<std::pair<const AnyArray*, const char*>>& arrays,
+                       int threads) {
+    TS_CHECK_ARG(threads >= 0, fn, ": threads=", threads, " must be >= 1 (or 0 for the whole pool)");
+    const int64_t n = int64_t(arrays[0].first->size());
+    for (const auto& [a, name] : arrays) {
+        TS_CHECK_ARG(kind_of(*a) == Kind::f32, fn, ": ", name, " is ", kind_name(kind_of(*a)), "; use float32");
+        TS_CHECK_ARG(ts::is_cpu(*a), fn, ": ", name, " is not a CPU tensor");
+        TS_CHECK_ARG(ts::is_contiguous(*a), fn, ": ", name, " must be contiguous; call .contiguous() on it first");
+        TS_CHECK_ARG(int64_t(a->size()) == n, fn, ": ", name, " has ", a->size(), " elements but ",
+                     arrays[0].second, " has ", n, "; all buffers must have the same element count");
+    }
+    for (size_t i = 0; i < arrays.size(); ++i)
+        for (size_t j = i + 1; j < arrays.size(); ++j) {
+            auto* a = static_cast<const char*>(arrays[i].first->data());
+            auto* b = static_cast<const char*>(arrays[j].first->data());
+            const size_t bytes = size_t(n) * 4;
+            TS_CHECK_ARG(n == 0 || a + bytes <= b || b + bytes <= a, fn, ": ", arrays[i].second, " and ",
+                         arrays[j].second, " overlap; pass distinct buffers");
+        }
+    return n;
+}
+
+double triad(const AnyArray& a, const AnyArray& b, const AnyArray& c, double scalar, int threads, bool nontemporal) {
+    const int64_t n = stream_buffers("stream_triad", {{&a, "a"}, {&b, "b"}, {&c, "c"}}, threads);
+    TS_CHECK_ARG(std::isfinite(scalar), "stream_triad: scalar=", scalar, " must be finite");
+    nb::gil_scoped_release release;
+    return stream_triad(static_cast<float*>(a.data()), static_cast<const float*>(b.data()),
+                        static_cast<const float*>(c.data()), float(scalar), n, nontemporal, threads);
+}
+
+double rmw(const AnyArray& p, const AnyArray& g, const AnyArray& m, const AnyArray& v, double scalar, int threads) {
+    const int64_t n = stream_buffers("stream_rmw", {{&p, "p"}, {&g, "g"}, {&m, "m"}, {&v, "v"}}, threads);
+    TS_CHECK_ARG(std::isfinite(scalar), "stream_rmw: scalar=", scalar, " must be finite");
+    nb::gil_scoped_release release;
+    return stream_rmw(static_cast<float*>(p.data()), static_cast<const float*>(g.data()), static_cast<float*>(m.data()),
+                      static_cast<float*>(v.data()), float(scalar), n, threads);
+}
+
 // Test hook: a handle whose task fails with `message` (ValueError on wait).
 std::unique_ptr<StepHandle> failing_handle(const std::string& message) {
     auto handle = std::make_unique<StepHandle>();
@@ -165,5 +207,13 @@ NB_MODULE(_core, m) {
     m.def("host_isa", [] { return std::string(isa_name(active_isa())); }, "SIMD variant the host kernels use.");
     m.def("best_host_isa", [] { return std::string(isa_name(best_isa())); }, "Best SIMD variant this CPU runs.");
     m.def("_set_host_isa", &set_isa, nb::arg("name"), "Forces a SIMD variant (tests, benchmarks) or \"auto\".");
+    m.def("stream_triad", &triad, nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("c").noconvert(),
+          nb::arg("scalar"), nb::arg("threads") = 0, nb::arg("nontemporal") = false,
+          "STREAM triad a = b + scalar*c over fp32 CPU buffers on the host pool (GIL released); returns seconds. "
+          "Bytes moved: 12 per element, plus 4 of write-allocate reads unless nontemporal=True.");
+    m.def("stream_rmw", &rmw, nb::arg("p").noconvert(), nb::arg("g").noconvert(), nb::arg("m").noconvert(),
+          nb::arg("v").noconvert(), nb::arg("scalar"), nb::arg("threads") = 0,
+          "AdamW's pattern (read p, g, m, v; write p, m, v in place): p += s*g; m += s*g; v += s*p_old. "
+          "Returns seconds; 28 bytes per element, no write-allocate traffic.");
     m.def("_failing_handle", &failing_handle, nb::arg("message"), "Test hook: a handle that fails on wait().");
 }
