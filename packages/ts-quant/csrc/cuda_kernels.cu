@@ -2,9 +2,10 @@
 //
 // Quantize runs one thread per block (fp8: per tile) through the same
 // block routine as the CPU, so the bytes match the CPU's exactly. Dequantize
-// is bandwidth-bound and vectorized: each thread decodes a chunk of 16
-// consecutive values from one 16-byte (int8, fp8) or 8-byte (nf4, nvfp4) load
-// and writes them with 16-byte stores.
+// is bandwidth-bound: cuda_dequant.cuh decodes groups of 8 values per load
+// and 16-byte store; a scalar kernel covers tails and misaligned views.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels.h"
@@ -14,9 +15,10 @@ namespace ts_quant {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kChunk = 16;  // values per thread in the vectorized dequantize
 
 __constant__ float kNf4Codes[16] = {TS_QUANT_NF4_CODES};
+// e2m1 codes 0..15 as signed values (bit 3 is the sign; code 8 is -0.0).
+__constant__ float kE2m1Signed[16] = {TS_QUANT_E2M1_VALUES, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 // Makes `device` current for the scope (the caller's tensors live there).
 struct DeviceGuard {
@@ -66,55 +68,7 @@ __global__ void dequantize_scalar_kernel(Geometry geo, const uint8_t* __restrict
     store_float(decode_element(geo, data, i, s, table), out + i);
 }
 
-template <Format F>
-__device__ __forceinline__ float decode_local(const uint8_t* bytes, int k, float scale, const float* table) {
-    if constexpr (F == Format::int8) return int8_decode(bytes[k], scale);
-    if constexpr (F == Format::fp8) return fp8_decode(bytes[k], scale);
-    const uint8_t byte = bytes[k >> 1];
-    if constexpr (F == Format::nf4) return table[(k & 1) ? (byte & 0x0f) : (byte >> 4)] * scale;
-    return e2m1_decode((k & 1) ? (byte >> 4) : (byte & 0x0f)) * scale;
-}
-
-// Vectorized path. `Uniform`: all 16 values of a chunk share one scale slot.
-template <Format F, bool Uniform, class Out>
-__global__ void dequantize_vec_kernel(Geometry geo, const uint8_t* __restrict__ data, const void* __restrict__ scales,
-                                      const float* __restrict__ global_scale, Out* __restrict__ out, int64_t chunks) {
-    __shared__ float table[16];
-    if constexpr (F == Format::nf4) load_nf4_table(table);
-    const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (c >= chunks) return;
-    constexpr bool four_bit = F == Format::nf4 || F == Format::nvfp4;
-    union {
-        uint4 v;
-        uint2 h;
-        uint8_t b[16];
-    } in;
-    if constexpr (four_bit) {
-        in.h = __ldg(reinterpret_cast<const uint2*>(data) + c);
-    } else {
-        in.v = __ldg(reinterpret_cast<const uint4*>(data) + c);
-    }
-    const float g = F == Format::nvfp4 ? __ldg(global_scale) : 0.0f;
-    const int64_t i0 = c * kChunk;
-    union {
-        Out o[kChunk];
-        uint4 v[kChunk * sizeof(Out) / 16];
-    } res;
-    if constexpr (Uniform) {
-        const float s = slot_scale(geo, scales, geo.scale_index(i0), g);
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) store_float(decode_local<F>(in.b, k, s, table), &res.o[k]);
-    } else {
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) {
-            const float s = slot_scale(geo, scales, geo.scale_index(i0 + k), g);
-            store_float(decode_local<F>(in.b, k, s, table), &res.o[k]);
-        }
-    }
-    uint4* dst = reinterpret_cast<uint4*>(out + i0);
-#pragma unroll
-    for (int k = 0; k < int(kChunk * sizeof(Out) / 16); ++k) dst[k] = res.v[k];
-}
+#include "cuda_dequant.cuh"
 
 template <class In>
 void quantize_launch(const Geometry& geo, const In* x, uint8_t* data, void* scales, const float* g, cudaStream_t s) {
@@ -123,27 +77,13 @@ void quantize_launch(const Geometry& geo, const In* x, uint8_t* data, void* scal
     TS_CUDA_CHECK_LAUNCH();
 }
 
-bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 template <Format F, class Out>
 void dequantize_format(const Geometry& geo, const uint8_t* data, const void* scales, const float* g, Out* out,
                        cudaStream_t s) {
-    constexpr bool four_bit = F == Format::nf4 || F == Format::nvfp4;
-    int64_t chunks = geo.n / kChunk;
-    if (!aligned(data, four_bit ? 8 : 16) || !aligned(out, 16)) chunks = 0;
-    if (chunks > 0) {
-        const bool uniform = F == Format::fp8 ? (geo.cols % kChunk == 0 && geo.block % kChunk == 0)
-                                              : geo.block % kChunk == 0;
-        if (uniform) {
-            dequantize_vec_kernel<F, true, Out><<<grid_for(chunks), kThreads, 0, s>>>(geo, data, scales, g, out, chunks);
-        } else {
-            dequantize_vec_kernel<F, false, Out><<<grid_for(chunks), kThreads, 0, s>>>(geo, data, scales, g, out, chunks);
-        }
-        TS_CUDA_CHECK_LAUNCH();
-    }
-    const int64_t rest = geo.n - chunks * kChunk;
+    const int64_t done = dequantize_groups<F, Out>(geo, data, scales, g, out, s);
+    const int64_t rest = geo.n - done;
     if (rest > 0) {
-        dequantize_scalar_kernel<Out><<<grid_for(rest), kThreads, 0, s>>>(geo, data, scales, g, out, chunks * kChunk);
+        dequantize_scalar_kernel<Out><<<grid_for(rest), kThreads, 0, s>>>(geo, data, scales, g, out, done);
         TS_CUDA_CHECK_LAUNCH();
     }
 }

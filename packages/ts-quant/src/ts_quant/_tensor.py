@@ -29,8 +29,10 @@ def _packed_bytes(format: str, n: int) -> int:
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's per-tensor fp32 scale, amax / (448 * 6) over the finite values, shape [1], on x's device."""
-    amax = x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax().float()
-    return (amax / 2688.0).reshape(1)
+    amax = x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax().float().reshape(1)
+    # Divide by a tensor, not a Python number: torch's CUDA division by a CPU scalar multiplies by the
+    # reciprocal (up to 1 ulp off the IEEE quotient), which changed the scale bytes against the CPU.
+    return amax / torch.full_like(amax, 2688.0)
 
 
 class QuantizedTensor:
