@@ -46,7 +46,7 @@ def _model(size: str, device: torch.device, dtype: torch.dtype):
 
 def _run_engine(engine: str, scenario: dict) -> dict:
     """One engine in this process: returns step times, peak VRAM and what it decided."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and scenario["vram_gb"]:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(scenario["vram_gb"] * 1e9 / total, device)

@@ -29,6 +29,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_arena_tensors_are_pinned():
+    # torch answers is_pinned() from its own CUDA context: create it first (the
+    # arena's memory is page-locked either way; the copy tests measure that).
+    torch.zeros(1, device="cuda")
     a = ts_pinned.PinnedArena(64 * MIB, cap_bytes=128 * MIB)
     a.reserve(64 * MIB)
     assert a.stats()["pinned"] is True
