@@ -101,6 +101,27 @@ void dequantize(int format, ByteArray data, AnyArray scales, std::optional<Float
     dequantize_cpu(geo, data.data(), scales.data(), gptr, out.data(), kind);
 }
 
+void fp8_act_quant(AnyArray x, ByteArray codes, FloatArray scales, int64_t m, int64_t mp, int64_t k,
+                   uintptr_t stream) {
+    TS_CHECK_ARG(ts::is_cuda(x) && ts::is_cuda(codes) && ts::is_cuda(scales) && codes.device_id() == x.device_id() &&
+                     scales.device_id() == x.device_id(),
+                 "fp8_act_quant: x, codes and scales must be on the same CUDA device");
+    TS_CHECK_ARG(m >= 0 && mp >= m && k > 0 && k % 128 == 0, "fp8_act_quant: need k % 128 == 0 and mp >= m (got m=", m,
+                 ", mp=", mp, ", k=", k, ")");
+    TS_CHECK_ARG(x.size() == static_cast<size_t>(m * k), "fp8_act_quant: x must hold m * k values");
+    TS_CHECK_ARG(codes.size() == static_cast<size_t>(mp * k), "fp8_act_quant: codes must hold mp * k bytes");
+    TS_CHECK_ARG(scales.size() == static_cast<size_t>(mp * (k / 128)), "fp8_act_quant: scales must hold mp * k / 128");
+    const size_t align = ts::scalar_kind(x.dtype()) == ts::ScalarKind::float32 ? 16 : 8;
+    TS_CHECK_ARG(reinterpret_cast<uintptr_t>(x.data()) % align == 0 && reinterpret_cast<uintptr_t>(codes.data()) % 4 == 0,
+                 "fp8_act_quant: x must be ", align, "-byte aligned and codes 4-byte aligned");
+#ifdef TS_WITH_CUDA
+    fp8_act_quant_cuda(x.data(), ts::scalar_kind(x.dtype()), codes.data(), scales.data(), m, mp, k,
+                       static_cast<int>(x.device_id()), stream);
+#else
+    ts::cuda_unavailable("fp8_act_quant");
+#endif
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -113,4 +134,7 @@ NB_MODULE(_core, m) {
           nb::arg("global_scale").none(), nb::arg("out").noconvert(), nb::arg("n"), nb::arg("block"),
           nb::arg("rows"), nb::arg("cols"), nb::arg("stream"),
           "Decodes n values into out (float32, bfloat16 or float16). CUDA tensors: enqueued on `stream`.");
+    m.def("fp8_act_quant", &fp8_act_quant, nb::arg("x"), nb::arg("codes").noconvert(), nb::arg("scales").noconvert(),
+          nb::arg("m"), nb::arg("mp"), nb::arg("k"), nb::arg("stream"),
+          "FP8 1x128 activation quantization on CUDA: codes [mp, k] e4m3 bytes, scales [k/128, mp] fp32.");
 }

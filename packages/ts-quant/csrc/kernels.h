@@ -23,4 +23,10 @@ void quantize_cuda(const Geometry& geo, const void* x, ts::ScalarKind in_kind, u
 void dequantize_cuda(const Geometry& geo, const uint8_t* data, const void* scales, const float* global_scale,
                      void* out, ts::ScalarKind out_kind, int device, uintptr_t stream);
 
+// FP8 activations for the Hopper blockwise scaled matmul (cuda_act_quant.cu):
+// x [m, k] -> codes [mp, k] (e4m3 bytes, rows m..mp-1 zero) and fp32 scales
+// stored [k/128, mp]. k % 128 == 0, mp >= m. Enqueued on `stream`.
+void fp8_act_quant_cuda(const void* x, ts::ScalarKind kind, uint8_t* codes, float* scales, int64_t m, int64_t mp,
+                        int64_t k, int device, uintptr_t stream);
+
 }  // namespace ts_quant

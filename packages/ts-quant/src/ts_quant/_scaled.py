@@ -20,12 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _core
 from ._tensor import QuantizedTensor, quantize
 from .reference import E2M1_VALUES
 
 __all__ = [
+    "fp8_act_quant",
     "fp8_linear_emulated",
+    "fp8_scaled_mm",
     "fp8_scaled_mm_linear",
+    "fp8_weight_operands",
     "nvfp4_columns",
     "nvfp4_linear_emulated",
     "nvfp4_scaled_mm_linear",
@@ -35,12 +39,35 @@ __all__ = [
 
 
 def quantize_activation_1x128(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, K], fp32 scales [M, K/128]) of x2d, amax / 448 per 1x128 block (K % 128 == 0)."""
+    """(e4m3 [M, K], fp32 scales [M, K/128]) of x2d, amax / 448 per 1x128 block (K % 128 == 0).
+
+    The plain-PyTorch reference of the fused CUDA kernel (fp8_act_quant): both divisions are by tensors,
+    so they are IEEE quotients on every device (torch's CUDA division by a Python number multiplies by
+    the reciprocal instead).
+    """
     m, k = x2d.shape
     blocks = x2d.float().view(m, k // 128, 128)
-    scale = (blocks.abs().amax(-1) / 448.0).clamp(min=1e-30)  # all-zero blocks: codes 0, any scale
+    amax = blocks.abs().amax(-1)
+    scale = (amax / amax.new_full((), 448.0)).clamp(min=1e-30)  # all-zero blocks: codes 0, any scale
     codes = (blocks / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return codes.view(m, k), scale
+
+
+def fp8_act_quant(x2d: torch.Tensor, padded_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CUDA kernel: (e4m3 codes [Mp, K], scales [Mp, K/128] outer-dim-major) for BlockWise1x128.
+
+    Mp = padded_rows (default M); rows M..Mp-1 are zero codes. Bit-identical to quantize_activation_1x128
+    for finite inputs. Needs x2d contiguous on CUDA and K % 128 == 0.
+    """
+    m, k = x2d.shape
+    mp = m if padded_rows is None else padded_rows
+    x2d = x2d.contiguous()
+    codes = torch.empty(mp, k, dtype=torch.uint8, device=x2d.device)
+    scales = torch.empty(k // 128, mp, dtype=torch.float32, device=x2d.device)
+    with torch.cuda.device(x2d.device):
+        _core.fp8_act_quant(x2d.detach().reshape(-1), codes.view(-1), scales.view(-1), m, mp, k,
+                            torch.cuda.current_stream(x2d.device).cuda_stream)
+    return codes.view(torch.float8_e4m3fn), scales.t()
 
 
 def _fp8_weight_scales(q: QuantizedTensor) -> torch.Tensor:
@@ -51,17 +78,37 @@ def _fp8_weight_scales(q: QuantizedTensor) -> torch.Tensor:
     return q._cache["fp8_b_scales"]
 
 
+def fp8_weight_operands(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W^T as an e4m3 [K, N] column-major view, 128x128 scales in scaled_mm's layout), built once and cached."""
+    if "fp8_b" not in q._cache:
+        n, k = q.shape
+        q._cache["fp8_b"] = q.data.view(torch.float8_e4m3fn).view(n, k).t()
+    return q._cache["fp8_b"], _fp8_weight_scales(q)
+
+
+def fp8_scaled_mm(codes: torch.Tensor, scales: torch.Tensor, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scaled_mm call alone: quantized activations (fp8_act_quant's output) times W^T, in `dtype`."""
+    w, w_scales = fp8_weight_operands(q)
+    return F.scaled_mm(codes, w, scales, F.ScalingType.BlockWise1x128, w_scales, F.ScalingType.BlockWise128x128,
+                       output_dtype=dtype)
+
+
 def fp8_scaled_mm_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d @ W^T on Hopper's FP8 blockwise tensor cores (see module docstring for the layouts)."""
+    """x2d @ W^T on Hopper's FP8 blockwise tensor cores (see module docstring for the layouts).
+
+    Per call: one activation-quantization kernel (M padded to a multiple of 4 inside it) and the scaled_mm;
+    the weight operands are cached on q.
+    """
     m = x2d.shape[0]
-    pad = (-m) % 4
-    xp = F.pad(x2d, (0, 0, 0, pad)) if pad else x2d
-    codes, scale = quantize_activation_1x128(xp)
-    n, k = q.shape
-    w = q.data.view(torch.float8_e4m3fn).view(n, k)
-    out = F.scaled_mm(codes, w.t(), scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                      _fp8_weight_scales(q), F.ScalingType.BlockWise128x128, output_dtype=x2d.dtype)
-    out = out[:m]
+    mp = m + (-m) % 4
+    if _core.built_with_cuda:
+        codes, scales = fp8_act_quant(x2d, mp)
+    else:  # pragma: no cover - a CUDA tensor with a CPU-only build never reaches this path
+        xp = F.pad(x2d, (0, 0, 0, mp - m)) if mp != m else x2d
+        codes, scale = quantize_activation_1x128(xp)
+        scales = scale.t().contiguous().t()
+    out = fp8_scaled_mm(codes, scales, q, x2d.dtype)
+    out = out[:m] if mp != m else out
     return out if bias is None else out + bias
 
 
