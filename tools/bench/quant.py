@@ -21,7 +21,7 @@ import ts_quant
 N, K, M = 13824, 5120, 512
 
 
-def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     """Median milliseconds of fn() on the current stream (CUDA events)."""
     for _ in range(warmup):
         fn()
@@ -69,21 +69,41 @@ def _bnb_linear():
     return bnb
 
 
+def fp8_parts(x: torch.Tensor, w: torch.Tensor, bf16_ms: float) -> list[dict]:
+    """The FP8 scaled_mm path split into its per-call parts (sm_90 only)."""
+    from ts_quant import _scaled
+
+    q = ts_quant.quantize(w, "fp8")
+    if ts_quant.linear_path(x, q) != "fp8_scaled_mm":
+        return []
+    codes, scales = _scaled.fp8_act_quant(x)
+    parts = {
+        "fp8 act-quant (fused kernel)": lambda: _scaled.fp8_act_quant(x),
+        "fp8 act-quant (torch ops, old path)": lambda: _scaled.quantize_activation_1x128(x),
+        "fp8 scaled_mm only": lambda: _scaled.fp8_scaled_mm(codes, scales, q, x.dtype),
+        "fp8 total (quantized_linear)": lambda: ts_quant.quantized_linear(x, q),
+    }
+    return [{"path": name, "ms": (ms := cuda_time_ms(fn)), "x bf16": ms / bf16_ms} for name, fn in parts.items()]
+
+
 def linear_rates(w: torch.Tensor) -> list[dict]:
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     wb = w.to(torch.bfloat16)
     bf16_ms = cuda_time_ms(lambda: F.linear(x, wb))
     rows = [{"path": "bf16 matmul", "ms": bf16_ms, "x bf16": 1.0}]
+    default = ts_quant.configure_linear()["tiles"]
     for fmt in ts_quant.FORMATS:
         q = ts_quant.quantize(w, fmt)
-        settings = [1, 2, 4, 8] if fmt in ("nf4", "int8") else [ts_quant.configure_linear()["tiles"]]
-        default = ts_quant.configure_linear()["tiles"]
+        ms = cuda_time_ms(lambda q=q: q.dequantize(torch.bfloat16))
+        rows.append({"path": f"{fmt} dequantize only", "ms": ms, "x bf16": ms / bf16_ms})
+        settings = [1, 2, 4] if fmt in ("nf4", "int8") else [default]
         for tiles in settings:
             ts_quant.configure_linear(tiles=tiles)
             path = ts_quant.linear_path(x, q)
             ms = cuda_time_ms(lambda q=q: ts_quant.quantized_linear(x, q))
             rows.append({"path": f"{fmt} ({path}, tiles={tiles})", "ms": ms, "x bf16": ms / bf16_ms})
         ts_quant.configure_linear(tiles=default)
+    rows += fp8_parts(x, w, bf16_ms)
     bnb = _bnb_linear()
     if bnb is not None:
         packed, state = bnb.functional.quantize_4bit(wb, blocksize=64, quant_type="nf4")

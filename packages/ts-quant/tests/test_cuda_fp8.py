@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("m,k,pad", [(1, 128, 3), (3, 640, 1), (70, 512, 2), (512, 5120, 0), (4, 256, 0)])
 def test_fp8_act_quant_matches_reference(dtype, m, k, pad):
     gen = torch.Generator().manual_seed(m + k)
-    x = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen) * 3)).to(dtype)
+    x = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen) * 2)).to(dtype)
     x[0, :128] = 0.0  # an all-zero block
     xc = x.cuda()
     codes, scales = _scaled.fp8_act_quant(xc, m + pad)
