@@ -19,7 +19,7 @@ _broken: set[str] = set()  # tensor-core paths that failed once in this process
 
 
 def configure_linear(tiles: int | None = None) -> dict:
-    """Sets the row tiles of the overlapped dequantize+matmul path (1: no tiling). Returns the settings."""
+    """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling). Returns the settings."""
     if tiles is not None:
         if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
             raise ValueError(f"tiles={tiles!r} must be an int >= 1")
