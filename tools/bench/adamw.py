@@ -89,18 +89,62 @@ def row(name: str, n: int, seconds: float, bytes_per_param: int, threads: int | 
             "gparams_per_s": n / seconds / 1e9, "gbytes_per_s": bytes_per_param * n / seconds / 1e9}
 
 
-def bench_ts_host(n: int, moments: torch.dtype, threads: int, repeats: int) -> dict:
-    p, g = filled(n), filled(n, scale=1e-2)
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def host_bytes_per_param(moments: torch.dtype, grad: torch.dtype, out: torch.dtype | None, streaming: bool) -> int:
+    """Bytes DRAM moves per parameter in one ideal pass: p read+write (8), grad read, both moments read+write,
+    params_out written, plus the write-allocate read of params_out's lines unless it is streamed."""
+    size = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+    total = 8 + size[grad] + 4 * size[moments]
+    if out is not None:
+        total += size[out] * (1 if streaming else 2)
+    return total
+
+
+def bench_ts_host(n: int, moments: torch.dtype, threads: int, repeats: int, grad: torch.dtype = torch.float32,
+                  out: torch.dtype | None = None, streaming: str = "auto", label: str = "") -> dict:
+    p, g = filled(n), filled(n, dtype=grad, scale=1e-2)
     m, v = torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
+    p_out = None if out is None else torch.zeros(n, dtype=out)
     state = {"step": 0}
+    _core._set_streaming_stores(streaming)
 
     def step():
         state["step"] += 1
-        ts_adamw.adamw_step(p, g, m, v, step=state["step"], threads=threads, **HYPER)
+        ts_adamw.adamw_step(p, g, m, v, step=state["step"], threads=threads, param_out=p_out, **HYPER)
 
-    t = median_seconds(step, repeats)
-    name = f"ts_adamw host, {'fp32' if moments == torch.float32 else 'bf16'} moments"
-    return row(name, n, t, 28 if moments == torch.float32 else 20, threads)
+    try:
+        t = median_seconds(step, repeats)
+    finally:
+        _core._set_streaming_stores("auto")
+    streamed = out is not None and (streaming == "on" or (streaming == "auto" and n * p_out.element_size() >= 32 << 20))
+    name = f"ts_adamw host, {_short(moments)} moments"
+    if grad != torch.float32 or out is not None:
+        name += f", {_short(grad)} grad"
+    if out is not None:
+        name += f", {_short(out)} param_out ({'streaming' if streamed else 'ordinary'} stores)"
+    return row(name + label, n, t, host_bytes_per_param(moments, grad, out, streamed), threads)
+
+
+def bench_ts_host_cached(moments: torch.dtype, threads: int, repeats: int) -> dict:
+    """The host kernel on buffers small enough to stay in cache (128K parameters per thread), timed over
+    many back-to-back steps: roughly the compute ceiling, to tell compute-bound from memory-bound."""
+    n = (1 << 17) * threads
+    p, g = filled(n), filled(n, scale=1e-2)
+    m, v = torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
+    calls = 50
+
+    def steps():
+        for step in range(1, calls + 1):
+            ts_adamw.adamw_step(p, g, m, v, step=step, threads=threads, **HYPER)
+
+    t = median_seconds(steps, max(1, repeats)) / calls
+    r = row(f"ts_adamw host, {_short(moments)} moments, cache-resident (compute ceiling)", n, t,
+            host_bytes_per_param(moments, torch.float32, None, False), threads)
+    r["cache_resident"] = True
+    return r
 
 
 def bench_torch(n: int, device: str, mode: str, threads: int | str, repeats: int) -> dict:
@@ -129,6 +173,8 @@ def bench_ts_cuda(n: int, moments: torch.dtype, zero_copy: bool, repeats: int) -
     t = median_seconds(step, repeats, torch.cuda.synchronize)
     kind = "zero-copy pinned host state" if zero_copy else "device state"
     bpp = 28 if moments == torch.float32 else 20
+    if zero_copy:  # the grad lives on the GPU: only p, m, v cross the link, read and written back
+        bpp -= 4
     return row(f"ts_adamw CUDA, {kind}, {'fp32' if moments == torch.float32 else 'bf16'} moments", n, t, bpp, "gpu")
 
 
@@ -151,8 +197,16 @@ def run(n: int, threads: int, repeats: int, zero_copy_params: int) -> dict:
     rows.append(bench_ts_host(n, torch.bfloat16, threads, repeats))
     rows.append(bench_torch(n, "cpu", "fused", threads, repeats))
     rows.append(bench_torch(n, "cpu", "foreach", threads, max(1, repeats - 1)))
+    # The configuration trainstream runs: fp32 master, bf16 grad in, bf16 weights out for the GPU.
+    for moments in (torch.float32, torch.bfloat16):
+        for streaming in ("off", "on"):
+            rows.append(bench_ts_host(n, moments, threads, repeats, grad=torch.bfloat16, out=torch.bfloat16,
+                                      streaming=streaming))
+    rows.append(bench_ts_host_cached(torch.float32, threads, repeats))
+    rows.append(bench_ts_host_cached(torch.bfloat16, threads, repeats))
     for r in rows:
-        r["of_bandwidth"] = r["gbytes_per_s"] / result["host_bandwidth_gbs"]
+        if not r.get("cache_resident"):
+            r["of_bandwidth"] = r["gbytes_per_s"] / result["host_bandwidth_gbs"]
     if torch.cuda.is_available() and ts_adamw.built_with_cuda:
         result["gpu"] = torch.cuda.get_device_name()
         result["device_bandwidth_gbs"] = device_bandwidth(n, repeats) / 1e9

@@ -11,8 +11,11 @@
 #include <cmath>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
+
+#include <unistd.h>
 
 #include "cuda_entry.h"
 #include "host_adamw.h"
@@ -32,15 +35,27 @@ using Arrays = std::vector<AnyArray>;
 namespace {
 
 // The lane that runs asynchronous steps in submission order. Never destroyed:
-// its thread must not be joined during static destruction at exit.
+// its thread must not be joined during static destruction at exit (Python's
+// atexit drains it instead, see _drain_async). A child created by fork() has
+// the parent's lane object but not its thread, so it gets a fresh lane (the
+// old one is leaked: its mutex may have been held at the fork).
 ts::AsyncLane& step_lane() {
-    static auto* lane = new ts::AsyncLane();
+    static std::mutex mutex;
+    static ts::AsyncLane* lane = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (lane == nullptr || owner != getpid()) {
+        lane = new ts::AsyncLane();
+        owner = getpid();
+    }
     return *lane;
 }
 
 // A submitted step. Holds the arrays (and the caller's Python objects) until
 // the step is waited on or the handle dies; both happen on a thread that
-// holds the GIL, never on the worker.
+// holds the GIL, never on the worker (the task itself captures only raw
+// pointers). The lane task never references the handle, so a handle may die
+// at any time: its destructor waits for the task first.
 struct StepHandle {
     std::shared_future<void> future;
     Arrays arrays;
@@ -58,8 +73,15 @@ struct StepHandle {
             nb::gil_scoped_release release;
             future.wait();
         }
-        arrays.clear();
+        // Move the references out before dropping them: dropping a tensor can run Python code that lets
+        // another thread in, which may call wait() on this handle too; each caller then drops only what
+        // it took, never the same vector twice.
+        Arrays dead_arrays;
+        dead_arrays.swap(arrays);
+        nb::object dead_keepalive = std::move(keepalive);
         keepalive = nb::object();
+        dead_arrays.clear();
+        dead_keepalive = nb::object();
         if (future.valid()) future.get();  // rethrows the step's error, every time
     }
 };
@@ -215,5 +237,16 @@ NB_MODULE(_core, m) {
           nb::arg("v").noconvert(), nb::arg("scalar"), nb::arg("threads") = 0,
           "AdamW's pattern (read p, g, m, v; write p, m, v in place): p += s*g; m += s*g; v += s*p_old. "
           "Returns seconds; 28 bytes per element, no write-allocate traffic.");
+    m.def("_set_streaming_stores", &set_streaming_stores, nb::arg("mode"),
+          "params_out written with streaming stores: \"auto\" (>= 32 MiB per call), \"on\" or \"off\" "
+          "(tests, benchmarks).");
+    m.def("_streaming_stores", &streaming_stores, "The params_out store mode: auto, on or off.");
+    m.def(
+        "_drain_async",
+        [] {
+            nb::gil_scoped_release release;
+            step_lane().drain();
+        },
+        "Waits (GIL released) until every submitted async step has finished; run at interpreter exit.");
     m.def("_failing_handle", &failing_handle, nb::arg("message"), "Test hook: a handle that fails on wait().");
 }

@@ -6,9 +6,13 @@
 #include "host_adamw.h"
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 #include <type_traits>
 
+#include "host_stream.h"
 #include "isa.h"
+#include "ts/errors.h"
 #include "ts/thread_pool.h"
 
 namespace ts_adamw {
@@ -108,9 +112,43 @@ KernelFn pick_kernel(Kind gk, Kind mk, Kind ok, Isa isa) {
 // Elements per pool chunk at least: 32K elements is ~1 MB of traffic.
 constexpr int64_t kGrain = int64_t(1) << 15;
 
+// Streaming (non-temporal) stores for params_out: -1 auto, 0 off, 1 on.
+std::atomic<int> streaming_mode{-1};
+
+// Auto mode streams params_out when the call writes at least this many bytes
+// of it: a copy that large leaves the last-level cache before the host-to-GPU
+// copy reads it anyway, so the write-allocate read (2 bytes per bf16 weight)
+// is pure waste. Smaller outputs keep ordinary stores and stay in cache.
+constexpr int64_t kStreamOutBytes = int64_t(32) << 20;
+
+// params_out goes through an L1-resident buffer of this many elements, then to
+// memory with streaming stores (the kernels stay plain vectorized loops).
+constexpr int64_t kOutBlock = 2048;
+
+// One window piece: the kernel over `n` elements, params_out written either
+// directly or, when `stream`, in aligned blocks through streaming stores.
+void run_window(const Plan& plan, KernelFn fn, float* p, const char* g, char* m, char* v, char* out, int64_t n,
+                uint32_t lo, uint32_t key, size_t gb, size_t mb, size_t ob, bool stream) {
+    if (!stream || out == nullptr || reinterpret_cast<uintptr_t>(out) % ob != 0) {
+        fn(plan.hyper, p, g, m, v, out, n, lo, key);
+        return;
+    }
+    const uintptr_t misalign = reinterpret_cast<uintptr_t>(out) % 64;
+    const int64_t head = std::min<int64_t>(n, int64_t((64 - misalign) % 64 / ob));
+    if (head > 0) fn(plan.hyper, p, g, m, v, out, head, lo, key);
+    alignas(64) unsigned char buffer[kOutBlock * 4];
+    int64_t i = head;
+    for (; i + kOutBlock <= n; i += kOutBlock) {
+        fn(plan.hyper, p + i, g + i * gb, m + i * mb, v + i * mb, buffer, kOutBlock, lo + uint32_t(i), key);
+        nt_copy(out + i * ob, buffer, kOutBlock * int64_t(ob));
+    }
+    if (i < n) fn(plan.hyper, p + i, g + i * gb, m + i * mb, v + i * mb, out + i * ob, n - i, lo + uint32_t(i), key);
+    stream_fence();
+}
+
 // Runs elements [local, local+count) of one segment, split at 2^32-element
 // windows (the stochastic-rounding counter is 32-bit inside a window).
-void run_piece(const Plan& plan, const Segment& s, KernelFn fn, int64_t local, int64_t count) {
+void run_piece(const Plan& plan, const Segment& s, KernelFn fn, int64_t local, int64_t count, bool stream) {
     const size_t gb = kind_bytes(s.grad_kind), mb = kind_bytes(plan.moment_kind), ob = kind_bytes(s.out_kind);
     while (count > 0) {
         const uint32_t lo = uint32_t(local);
@@ -119,8 +157,8 @@ void run_piece(const Plan& plan, const Segment& s, KernelFn fn, int64_t local, i
         auto* g = static_cast<const char*>(s.grad) + size_t(local) * gb;
         auto* m = static_cast<char*>(s.exp_avg) + size_t(local) * mb;
         auto* v = static_cast<char*>(s.exp_avg_sq) + size_t(local) * mb;
-        void* out = s.out ? static_cast<char*>(s.out) + size_t(local) * ob : nullptr;
-        fn(plan.hyper, s.param + local, g, m, v, out, piece, lo, window_key(s.key, hi));
+        char* out = s.out ? static_cast<char*>(s.out) + size_t(local) * ob : nullptr;
+        run_window(plan, fn, s.param + local, g, m, v, out, piece, lo, window_key(s.key, hi), gb, mb, ob, stream);
         local += piece;
         count -= piece;
     }
@@ -139,6 +177,10 @@ void run_host_step(const Plan& plan) {
         fns[i] = pick_kernel(s.grad_kind, plan.moment_kind, s.out_kind, isa);
     }
     const int64_t total = start[count];
+    int64_t out_bytes = 0;
+    for (const Segment& s : plan.segments) out_bytes += s.out ? s.n * int64_t(kind_bytes(s.out_kind)) : 0;
+    const int mode = streaming_mode.load(std::memory_order_relaxed);
+    const bool stream = mode == 1 || (mode < 0 && out_bytes >= kStreamOutBytes);
     ts::host_pool().parallel_for(
         total, kGrain,
         [&](int64_t begin, int64_t end) {
@@ -146,11 +188,23 @@ void run_host_step(const Plan& plan) {
             for (; begin < end && seg < count; ++seg) {
                 const int64_t stop = std::min(end, start[seg + 1]);
                 if (stop <= begin) continue;
-                run_piece(plan, plan.segments[seg], fns[seg], begin - start[seg], stop - begin);
+                run_piece(plan, plan.segments[seg], fns[seg], begin - start[seg], stop - begin, stream);
                 begin = stop;
             }
         },
         plan.max_threads);
+}
+
+void set_streaming_stores(const std::string& mode) {
+    if (mode == "auto") streaming_mode.store(-1);
+    else if (mode == "on") streaming_mode.store(1);
+    else if (mode == "off") streaming_mode.store(0);
+    else ts::throw_value_error("streaming stores mode \"", mode, "\" is not one of auto, on, off");
+}
+
+std::string streaming_stores() {
+    const int mode = streaming_mode.load();
+    return mode < 0 ? "auto" : (mode ? "on" : "off");
 }
 
 }  // namespace ts_adamw
