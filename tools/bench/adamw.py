@@ -1,10 +1,13 @@
 """Benchmark: ts_adamw's host engine and CUDA kernel against torch's AdamW, beside the memory bandwidth.
 
-Measures, in one run: host memory bandwidth (a large threaded tensor copy), then G params/s and effective
+Measures, in one run: host memory bandwidth (ts_adamw's native threaded triad, streaming-store triad and
+AdamW-pattern read-modify-write kernels; the best, counting the bytes DRAM moves), then G params/s and effective
 GB/s for one AdamW step over ``--params`` parameters: ts_adamw with fp32 and bf16 moments vs torch's fused
 and foreach CPU AdamW at the same thread count; with a GPU also the CUDA kernel (device state and zero-copy
-pinned host state) vs a device copy and torch's fused CUDA AdamW. Prints a markdown table; ``--json``
-writes the rows. Effective bytes count what an ideal single pass moves (fp32: 28 bytes per parameter).
+pinned host state) vs a device copy and torch's fused CUDA AdamW; trainstream's configuration (bf16 grad,
+bf16 param_out, ordinary vs streaming stores) and a cache-resident compute ceiling. Prints a markdown table;
+``--json`` writes the rows. Effective bytes count what an ideal single pass moves, write-allocate included
+(fp32: 28 bytes per parameter).
 
     python tools/bench/adamw.py                 # 256M parameters (~3 minutes on 16 cores)
     python tools/bench/adamw.py --params 16M    # quick
