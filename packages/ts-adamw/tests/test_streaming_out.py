@@ -13,11 +13,11 @@ KW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0
 @pytest.fixture
 def restore_mode():
     yield
-    _core._set_streaming_stores("auto")
+    ts_adamw.set_streaming_stores("auto")
 
 
 def _run(mode, n, offset, grad_dtype, moment_dtype, out_dtype):
-    _core._set_streaming_stores(mode)
+    ts_adamw.set_streaming_stores(mode)
     gen = torch.Generator().manual_seed(n + offset)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen).to(grad_dtype)
@@ -42,16 +42,16 @@ def test_streaming_stores_match_ordinary_stores(restore_mode, n, offset, out_dty
 
 
 def test_mode_round_trip_and_bad_name(restore_mode):
-    assert _core._streaming_stores() == "auto"
-    _core._set_streaming_stores("off")
-    assert _core._streaming_stores() == "off"
+    assert ts_adamw.streaming_stores() == "auto"
+    ts_adamw.set_streaming_stores("off")
+    assert ts_adamw.streaming_stores() == "off"
     with pytest.raises(ValueError, match="auto, on, off"):
-        _core._set_streaming_stores("sometimes")
-    assert _core._streaming_stores() == "off"
+        ts_adamw.set_streaming_stores("sometimes")
+    assert ts_adamw.streaming_stores() == "off"
 
 
 def test_async_steps_stream_too(restore_mode):
-    _core._set_streaming_stores("on")
+    ts_adamw.set_streaming_stores("on")
     n = 50_000
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=torch.bfloat16)

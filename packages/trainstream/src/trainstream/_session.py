@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import ts_adamw
 import ts_pinned
 
 from ._engine import UpdateEngine
@@ -59,11 +60,14 @@ class TrainStreamSession:
         for slot in slots:
             slot.allocate(initial, self.moment_dtype, self.arena)
         if options.threads is not None:
-            import ts_adamw
-
             if not ts_adamw.set_host_threads(options.threads):
                 self.events.add("optimizer", f"threads={options.threads} ignored: the host pool already runs "
                                              f"with {ts_adamw.host_threads()} threads")
+        if on_gpu and ts_adamw.streaming_stores() == "auto":
+            # The rounded weights are next read by the H2D DMA, never by this CPU:
+            # writing them past the cache saves a read-for-ownership of every line.
+            ts_adamw.set_streaming_stores("on")
+            self.events.add("optimizer", "host AdamW writes the weights for upload with streaming stores")
         self.engine = UpdateEngine(slots, device, self.moment_dtype, self.arena, self.events,
                                    max_grad_norm=options.max_grad_norm,
                                    accumulation_steps=options.accumulation_steps, seed=options.seed)

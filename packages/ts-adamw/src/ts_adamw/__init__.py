@@ -16,6 +16,19 @@ host_isa = _core.host_isa
 host_threads = _core.host_threads
 set_host_threads = _core.set_host_threads
 
+
+def set_streaming_stores(mode: str) -> None:
+    """How host steps write ``param_out``, process-wide: ``"auto"`` (default: non-temporal
+    stores when one call writes at least 32 MiB of it), ``"on"`` or ``"off"``. Non-temporal
+    stores skip the cache and the read-for-ownership of each line; use ``"on"`` when the
+    rounded weights are next read by a DMA copy (to the GPU), not by this CPU. Same bits."""
+    _core._set_streaming_stores(mode)
+
+
+def streaming_stores() -> str:
+    """The current ``param_out`` store mode: ``"auto"``, ``"on"`` or ``"off"``."""
+    return _core._streaming_stores()
+
 __all__ = [
     "AdamW",
     "StepHandle",
@@ -26,6 +39,8 @@ __all__ = [
     "host_isa",
     "host_threads",
     "set_host_threads",
+    "set_streaming_stores",
+    "streaming_stores",
     "sum_of_squares",
 ]
 __version__ = "0.1.0"
