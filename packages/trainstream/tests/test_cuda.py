@@ -8,9 +8,8 @@ import time
 
 import pytest
 import torch
-from ts_testing import batches, loss_of, max_param_diff, tiny_llama
-
 import trainstream
+from ts_testing import batches, loss_of, max_param_diff, tiny_llama
 
 pytestmark = pytest.mark.cuda
 

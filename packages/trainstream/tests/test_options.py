@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ts_testing import tiny_llama
-
 import trainstream
 import ts_pinned
+from ts_testing import tiny_llama
 
 
 @pytest.mark.parametrize(
@@ -35,7 +34,7 @@ def test_bad_option_values(options, message):
 
 
 def test_aliases_are_accepted():
-    model, opt = trainstream.wrap(tiny_llama(), moment_dtype=torch.bfloat16)
+    model, _ = trainstream.wrap(tiny_llama(), moment_dtype=torch.bfloat16)
     assert model._trainstream_session.moment_dtype == torch.bfloat16
     assert model._trainstream_session.config.moment_dtype == "bfloat16"
 
@@ -85,5 +84,5 @@ def test_run_that_cannot_fit_in_host_ram_is_refused(monkeypatch):
 
 def test_stepping_an_unwrapped_offload_adamw_explains():
     opt = trainstream.OffloadAdamW(tiny_llama().parameters())
-    with pytest.raises(RuntimeError, match="call trainstream.wrap"):
+    with pytest.raises(RuntimeError, match=r"call trainstream\.wrap"):
         opt.step()

@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
-from ts_testing import batches, loss_of, max_param_diff, model_pair, tiny_llama
-
 import trainstream
+from ts_testing import batches, loss_of, max_param_diff, model_pair, tiny_llama
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
 
@@ -71,7 +70,7 @@ def test_accumulation_matches():
 def test_clipping_matches_clip_grad_norm():
     ours, ref = model_pair()
     ref_losses = train_reference(ref, 8, max_norm=0.5)
-    ours, opt, losses = train_wrapped(ours, 8, max_norm=0.5)
+    ours, _, losses = train_wrapped(ours, 8, max_norm=0.5)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert max_param_diff(ours, ref) <= 1e-5
     # the norm is computed over gradients that already left the model's memory

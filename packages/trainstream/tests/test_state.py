@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 
 import torch
-from ts_testing import batches, loss_of, tiny_llama
-
 import trainstream
+from ts_testing import batches, loss_of, tiny_llama
 
 
 def _train(model, opt, data):
@@ -64,7 +64,7 @@ def test_model_state_dict_waits_for_updates():
     opt.step()
     after = model.state_dict()  # must see the finished update, not a half-written one
     masters = opt.state_dict()["state"]
-    for i, (name, p) in enumerate(model.named_parameters()):
+    for i, (name, _) in enumerate(model.named_parameters()):
         assert torch.equal(after[name], masters[i]["master_param"])
         assert not torch.equal(after[name], before[name])
 
@@ -125,10 +125,8 @@ def test_exception_mid_backward_then_a_good_step():
         raise KeyboardInterrupt("interrupted in backward")
 
     handle = model.model.layers[0].mlp.register_full_backward_hook(explode)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         loss_of(model, data[0]).backward()
-    except KeyboardInterrupt:
-        pass
     handle.remove()
     assert calls["n"] == 1
     opt.zero_grad()

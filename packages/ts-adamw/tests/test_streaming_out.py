@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import ts_adamw
-from ts_adamw import _core
 
 KW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 

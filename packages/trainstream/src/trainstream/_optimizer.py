@@ -21,20 +21,17 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False):
-        if not 0.0 <= lr:
+        if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is not valid; use a number >= 0")
-        if not 0.0 <= eps:
+        if not eps >= 0.0:
             raise ValueError(f"eps={eps!r} is not valid; use a number >= 0")
         if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas={betas!r} is not valid; use two numbers in [0, 1)")
-        if not 0.0 <= weight_decay:
+        if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay={weight_decay!r} is not valid; use a number >= 0")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults)
         self._session = None  # set by wrap()
-
-    # The session checks group settings torch supports but this engine does not.
-    _UNSUPPORTED = {"amsgrad": True, "capturable": True, "differentiable": True}
 
     def _engine_or_raise(self):
         if self._session is None:

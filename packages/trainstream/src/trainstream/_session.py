@@ -59,10 +59,9 @@ class TrainStreamSession:
                                   f"host memory for the optimizer state" + ("" if pinned else " (no GPU driver)"))
         for slot in slots:
             slot.allocate(initial, self.moment_dtype, self.arena)
-        if options.threads is not None:
-            if not ts_adamw.set_host_threads(options.threads):
-                self.events.add("optimizer", f"threads={options.threads} ignored: the host pool already runs "
-                                             f"with {ts_adamw.host_threads()} threads")
+        if options.threads is not None and not ts_adamw.set_host_threads(options.threads):
+            self.events.add("optimizer", f"threads={options.threads} ignored: the host pool already runs "
+                                         f"with {ts_adamw.host_threads()} threads")
         if on_gpu and ts_adamw.streaming_stores() == "auto":
             # The rounded weights are next read by the H2D DMA, never by this CPU:
             # writing them past the cache saves a read-for-ownership of every line.
