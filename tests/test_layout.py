@@ -1,0 +1,85 @@
+"""The monorepo's shape: every package is a complete distribution and dependencies point one way."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
+CORES = [p for p in PACKAGES if p.name.startswith("ts-")]
+
+
+def _project(path: pathlib.Path) -> dict:
+    return tomllib.loads((path / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_package_is_a_complete_distribution(package):
+    project = _project(package)
+    import_name = package.name.replace("-", "_")
+    assert project["project"]["name"] == package.name
+    assert (package / "README.md").is_file()
+    assert (package / "tests").is_dir() and list((package / "tests").glob("test_*.py"))
+    init = package / "src" / import_name / "__init__.py"
+    assert init.is_file()
+    assert "__all__" in init.read_text()
+    assert project["build-system"]["build-backend"] == "scikit_build_core.build"
+
+
+@pytest.mark.parametrize("package", CORES, ids=lambda p: p.name)
+def test_core_ships_native_sources_in_its_sdist(package):
+    project = _project(package)
+    skbuild = project["tool"]["scikit-build"]
+    assert skbuild["sdist"]["force-include"] == {"../../native": "native"}
+    cmake = (package / "CMakeLists.txt").read_text()
+    assert "native/cmake/TrainStreamCore.cmake" in cmake and "ts_add_core(" in cmake
+    assert "nanobind" in " ".join(project["build-system"]["requires"])
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_public_modules_declare_all(package):
+    src = package / "src" / package.name.replace("-", "_")
+    for module in src.glob("*.py"):
+        if module.name.startswith("_") and module.name != "__init__.py":
+            continue
+        tree = ast.parse(module.read_text())
+        names = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                 if isinstance(t, ast.Name)}
+        assert "__all__" in names, f"{module.relative_to(ROOT)} has no __all__"
+
+
+@pytest.mark.parametrize("core", ["ts_pinned", "ts_adamw", "ts_quant"])
+def test_cores_do_not_import_each_other(core):
+    """A user who installs one core gets only that core: importing it loads no sibling."""
+    others = {"ts_pinned", "ts_adamw", "ts_quant", "ts_kvcache", "ts_peer", "ts_planner", "trainstream"} - {core}
+    code = f"import sys, {core}; print(sorted(m for m in {sorted(others)!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_trainstream_declares_the_cores_it_imports():
+    declared = {d.split("==")[0].split(">")[0].strip() for d in _project(ROOT / "packages/trainstream")["project"]["dependencies"]}
+    src = ROOT / "packages/trainstream/src/trainstream"
+    imported = set()
+    for module in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    cores = {name for name in imported if name.startswith("ts_")}
+    assert {c.replace("_", "-") for c in cores} <= declared
+
+
+def test_no_source_file_is_too_long():
+    long = []
+    for path in [*ROOT.glob("packages/*/src/**/*.py"), *ROOT.glob("packages/*/csrc/*"), *ROOT.glob("native/**/*.*")]:
+        if path.suffix in {".py", ".cpp", ".cu", ".h", ".cuh"} and len(path.read_text().splitlines()) > 600:
+            long.append(str(path.relative_to(ROOT)))
+    assert not long, f"files over 600 lines: {long}"
