@@ -46,3 +46,28 @@ inline bool cuda_device_present() { return false; }
 // After a kernel launch: surfaces launch-configuration errors without a sync.
 #define TS_CUDA_CHECK_LAUNCH() TS_CUDA_CHECK(cudaGetLastError())
 #endif
+
+#ifdef TS_WITH_CUDA
+namespace ts {
+
+// Makes `device` current for a scope (the caller's tensors live there) and
+// restores the previous device on exit, also when an exception unwinds.
+class CudaDeviceGuard {
+public:
+    explicit CudaDeviceGuard(int device) {
+        TS_CUDA_CHECK(cudaGetDevice(&previous_));
+        if (previous_ != device) TS_CUDA_CHECK(cudaSetDevice(device));
+    }
+    ~CudaDeviceGuard() {
+        int current = -1;
+        if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+    }
+    CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+    CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+private:
+    int previous_ = -1;
+};
+
+}  // namespace ts
+#endif

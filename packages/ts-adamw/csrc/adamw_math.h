@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ts/half.h"
+
 #if defined(__CUDACC__)
 #define TSA_HD __host__ __device__ __forceinline__
 #else
@@ -47,26 +49,6 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
 
 // ---- bit helpers ----------------------------------------------------------
 
-TSA_HD uint32_t f2u(float x) {
-#if defined(__CUDA_ARCH__)
-    return __float_as_uint(x);
-#else
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    return u;
-#endif
-}
-
-TSA_HD float u2f(uint32_t x) {
-#if defined(__CUDA_ARCH__)
-    return __uint_as_float(x);
-#else
-    float f;
-    std::memcpy(&f, &x, sizeof f);
-    return f;
-#endif
-}
-
 // lowbias32 (a 32-bit integer finalizer): good avalanche, vectorizes.
 TSA_HD uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
@@ -86,10 +68,10 @@ TSA_HD uint32_t tensor_key(uint32_t seed_key, uint32_t slot) { return mix32(seed
 
 // ---- conversions (branch-free, so loops vectorize) -------------------------
 
-TSA_HD float bf16_load(uint16_t h) { return u2f(uint32_t(h) << 16); }
+TSA_HD float bf16_load(uint16_t h) { return ts::bits_float(uint32_t(h) << 16); }
 
 TSA_HD uint16_t bf16_round(float x) {  // nearest even, NaN kept quiet
-    uint32_t b = f2u(x);
+    uint32_t b = ts::float_bits(x);
     uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
     uint32_t nan = (b >> 16) | 0x40u;
     return uint16_t((b & 0x7fffffffu) > 0x7f800000u ? nan : r);
@@ -97,7 +79,7 @@ TSA_HD uint16_t bf16_round(float x) {  // nearest even, NaN kept quiet
 
 // Unbiased stochastic rounding with 16 random bits; inf/NaN round to nearest.
 TSA_HD uint16_t bf16_stochastic(float x, uint32_t random16) {
-    uint32_t b = f2u(x);
+    uint32_t b = ts::float_bits(x);
     uint32_t r = (b + (random16 & 0xffffu)) >> 16;
     return (b & 0x7f800000u) == 0x7f800000u ? bf16_round(x) : uint16_t(r);
 }
@@ -106,20 +88,20 @@ TSA_HD float f16_load(uint16_t h) {
     uint32_t sign = uint32_t(h & 0x8000u) << 16;
     uint32_t em = uint32_t(h & 0x7fffu) << 13;  // exponent+mantissa in fp32 position
     uint32_t exp = em & 0x0f800000u;
-    float normal = u2f(em + 0x38000000u);                                 // rebias 15 -> 127
-    float special = u2f(em | 0x7f800000u);                                // inf / NaN
-    float sub = u2f(em + 0x38800000u) - u2f(0x38800000u);                  // subnormal: exact
+    float normal = ts::bits_float(em + 0x38000000u);                                 // rebias 15 -> 127
+    float special = ts::bits_float(em | 0x7f800000u);                                // inf / NaN
+    float sub = ts::bits_float(em + 0x38800000u) - ts::bits_float(0x38800000u);                  // subnormal: exact
     float mag = exp == 0x0f800000u ? special : (exp == 0 ? sub : normal);
-    return u2f(f2u(mag) | sign);
+    return ts::bits_float(ts::float_bits(mag) | sign);
 }
 
 TSA_HD uint16_t f16_round(float x) {  // nearest even, overflow -> inf
-    uint32_t b = f2u(x);
+    uint32_t b = ts::float_bits(x);
     uint32_t sign = (b >> 16) & 0x8000u;
     uint32_t a = b & 0x7fffffffu;
     uint32_t normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
     // Adding 0.5 (ulp 2^-24) lands the value on fp16's subnormal grid.
-    uint32_t sub = f2u(u2f(a) + 0.5f) - 0x3f000000u;
+    uint32_t sub = ts::float_bits(ts::bits_float(a) + 0.5f) - 0x3f000000u;
     uint32_t v = a < 0x38800000u ? sub : normal;
     v = a >= 0x477ff000u ? 0x7c00u : v;
     v = a > 0x7f800000u ? 0x7e00u : v;

@@ -14,16 +14,6 @@ namespace ts_adamw {
 
 namespace {
 
-struct DeviceGuard {
-    int previous = -1;
-    explicit DeviceGuard(int device) {
-        TS_CUDA_CHECK(cudaGetDevice(&previous));
-        if (previous != device) TS_CUDA_CHECK(cudaSetDevice(device));
-    }
-    ~DeviceGuard() {
-        if (previous >= 0) cudaSetDevice(previous);
-    }
-};
 
 int pick_device(const std::vector<const std::vector<AnyArray>*>& lists) {
     for (const auto* list : lists)
@@ -43,7 +33,7 @@ void cuda_step(const std::vector<AnyArray>& params, const std::vector<AnyArray>&
     if (!ts::cuda_device_present())
         ts::throw_runtime_error("cuda_adamw_step: no CUDA device or driver is present on this machine");
     const int device = pick_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &outs});
-    DeviceGuard guard(device);
+    ts::CudaDeviceGuard guard(device);
     PlaceFn place = [device](const AnyArray& a, const char* what) -> void* {
         if (a.size() == 0) return a.data();
         if (ts::is_cuda(a)) {

@@ -22,20 +22,6 @@ void parallel_memcpy(void* dst, const void* src, size_t bytes) {
     });
 }
 
-#ifdef TS_WITH_CUDA
-struct DeviceGuard {
-    int previous = -1;
-    explicit DeviceGuard(int device) {
-        TS_CUDA_CHECK(cudaGetDevice(&previous));
-        if (previous != device) TS_CUDA_CHECK(cudaSetDevice(device));
-    }
-    ~DeviceGuard() {
-        int current = -1;
-        if (cudaGetDevice(&current) == cudaSuccess && current != previous) cudaSetDevice(previous);
-    }
-};
-#endif
-
 }  // namespace
 
 StagingRing::StagingRing(size_t slot_bytes, int slots) : slot_bytes_(round_up(slot_bytes, kAlignment)) {
@@ -75,8 +61,8 @@ void StagingRing::copy(const void* src, void* dst, size_t bytes, bool dst_on_dev
 #ifndef TS_WITH_CUDA
     if (dst_on_device) ts::cuda_unavailable("copy_to_device to a CUDA tensor");
 #else
-    std::unique_ptr<DeviceGuard> guard;
-    if (dst_on_device) guard = std::make_unique<DeviceGuard>(device);
+    std::unique_ptr<ts::CudaDeviceGuard> guard;
+    if (dst_on_device) guard = std::make_unique<ts::CudaDeviceGuard>(device);
 #endif
     ++stats_.copies;
     stats_.bytes += bytes;

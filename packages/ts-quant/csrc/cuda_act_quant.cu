@@ -68,22 +68,12 @@ __global__ void __launch_bounds__(kActThreads) fp8_act_quant_kernel(const In* __
     if (lane == 0) scales[(block - row * kb) * mp + row] = scale;
 }
 
-struct DeviceScope {
-    int previous = -1;
-    explicit DeviceScope(int device) {
-        TS_CUDA_CHECK(cudaGetDevice(&previous));
-        if (previous != device) TS_CUDA_CHECK(cudaSetDevice(device));
-    }
-    ~DeviceScope() {
-        if (previous >= 0) cudaSetDevice(previous);
-    }
-};
 
 }  // namespace
 
 void fp8_act_quant_cuda(const void* x, ts::ScalarKind kind, uint8_t* codes, float* scales, int64_t m, int64_t mp,
                         int64_t k, int device, uintptr_t stream) {
-    DeviceScope scope(device);
+    ts::CudaDeviceGuard scope(device);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     const int64_t warps = mp * (k / 128);
     if (warps == 0) return;

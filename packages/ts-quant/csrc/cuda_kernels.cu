@@ -20,18 +20,6 @@ __constant__ float kNf4Codes[16] = {TS_QUANT_NF4_CODES};
 // e2m1 codes 0..15 as signed values (bit 3 is the sign; code 8 is -0.0).
 __constant__ float kE2m1Signed[16] = {TS_QUANT_E2M1_VALUES, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-// Makes `device` current for the scope (the caller's tensors live there).
-struct DeviceGuard {
-    int previous = -1;
-    explicit DeviceGuard(int device) {
-        TS_CUDA_CHECK(cudaGetDevice(&previous));
-        if (previous != device) TS_CUDA_CHECK(cudaSetDevice(device));
-    }
-    ~DeviceGuard() {
-        int current = -1;
-        if (cudaGetDevice(&current) == cudaSuccess && current != previous) cudaSetDevice(previous);
-    }
-};
 
 unsigned grid_for(int64_t items) { return static_cast<unsigned>((items + kThreads - 1) / kThreads); }
 
@@ -103,7 +91,7 @@ void dequantize_typed(const Geometry& geo, const uint8_t* data, const void* scal
 
 void quantize_cuda(const Geometry& geo, const void* x, ts::ScalarKind in_kind, uint8_t* data, void* scales,
                    const float* global_scale, int device, uintptr_t stream) {
-    DeviceGuard guard(device);
+    ts::CudaDeviceGuard guard(device);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     switch (in_kind) {
         case ts::ScalarKind::float32: return quantize_launch(geo, static_cast<const float*>(x), data, scales, global_scale, s);
@@ -115,7 +103,7 @@ void quantize_cuda(const Geometry& geo, const void* x, ts::ScalarKind in_kind, u
 
 void dequantize_cuda(const Geometry& geo, const uint8_t* data, const void* scales, const float* global_scale,
                      void* out, ts::ScalarKind out_kind, int device, uintptr_t stream) {
-    DeviceGuard guard(device);
+    ts::CudaDeviceGuard guard(device);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     switch (out_kind) {
         case ts::ScalarKind::float32: return dequantize_typed(geo, data, scales, global_scale, static_cast<float*>(out), s);
