@@ -6,6 +6,7 @@
 from ts_pinned import reserve_pinned
 
 from ._channel import transfer_stats
+from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
 from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
@@ -14,9 +15,13 @@ from ._wrap import unwrap, wrap
 __all__ = [
     "OffloadAdamW",
     "TrainStreamSession",
+    "causal_lm_loss",
+    "chunked_cross_entropy",
+    "dpo_loss",
     "memory_report",
     "pinned_stats",
     "reserve_pinned",
+    "sequence_logprobs",
     "transfer_stats",
     "unwrap",
     "wrap",
