@@ -1,0 +1,3 @@
+"""Integrations with other libraries (Hugging Face: ``trainstream.integrations.huggingface``)."""
+
+__all__: list[str] = []

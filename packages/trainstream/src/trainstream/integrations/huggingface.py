@@ -1,0 +1,119 @@
+"""Hugging Face integration: TrainStreamTrainer, wrap_hf and per-sequence log-probs of a causal LM.
+
+Needs ``transformers`` (``pip install 'trainstream[hf]'``). The losses here run the decoder for its
+last hidden states and apply the output projection chunk by chunk, so the [tokens, vocab] logits
+never exist during training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    from transformers import Trainer
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError("trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'") from error
+
+from .._losses import causal_lm_loss, sequence_logprobs
+from .._optimizer import OffloadAdamW
+from .._wrap import wrap
+
+__all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "wrap_hf"]
+
+# Config fields that change logits after the projection: the chunked loss cannot reproduce them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder returning last hidden states, output projection) of a causal LM, through PEFT and
+    Accelerate wrappers; None when the model's logits are not a plain projection of them."""
+    base = model.module if hasattr(model, "module") else model
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    get_decoder = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    config = getattr(base, "config", None)
+    if get_decoder is None or head is None or not isinstance(head, torch.nn.Linear):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    return get_decoder(), head
+
+
+def _hidden(decoder: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    out = decoder(**{k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def wrap_hf(model: torch.nn.Module, optimizer=None, **options):
+    """``trainstream.wrap`` for a Hugging Face model (PEFT models included); returns ``(model, optimizer)``."""
+    if hasattr(model, "config") and getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # a KV cache during training only costs memory
+    return wrap(model, optimizer, **options)
+
+
+def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None, *, chunk_size: int = 1024,
+                       average: bool = False) -> torch.Tensor:
+    """Each sequence's log-probability of its labels (``-100``: not counted; labels are the input ids,
+    shifted inside), ``[B]`` float32, computed in chunks; differentiable (DPO's policy term)."""
+    parts = decoder_and_head(model)
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} does not expose a decoder and a plain output projection")
+    decoder, head = parts
+    inputs = {"input_ids": input_ids}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    return sequence_logprobs(_hidden(decoder, inputs), head.weight, labels, head.bias, chunk_size=chunk_size,
+                             average=average)
+
+
+class TrainStreamTrainer(Trainer):
+    """``transformers.Trainer`` with the optimizer in host memory (``wrap()``) and a chunked loss.
+
+    ``trainstream``: any ``wrap()`` option, plus ``"chunked_loss"`` (default True) and
+    ``"loss_chunk_size"`` (default 1024). The Trainer's AdamW (groups, learning rate, schedule) is
+    converted; ``max_grad_norm`` and ``gradient_accumulation_steps`` move into the optimizer, since
+    gradients leave the GPU before the Trainer would clip them. fp16 loss scaling is refused.
+    """
+
+    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
+        options = dict(trainstream or {})
+        self._ts_chunked = options.pop("chunked_loss", True)
+        self._ts_chunk = options.pop("loss_chunk_size", 1024)
+        if not isinstance(self._ts_chunked, bool):
+            raise ValueError(f"chunked_loss={self._ts_chunked!r} is not valid; use True or False")
+        if isinstance(self._ts_chunk, bool) or not isinstance(self._ts_chunk, int) or self._ts_chunk < 1:
+            raise ValueError(f"loss_chunk_size={self._ts_chunk!r} is not valid; use an integer >= 1")
+        for name in ("max_grad_norm", "accumulation_steps"):
+            if name in options:
+                raise ValueError(f"trainstream={{'{name}': ...}} comes from TrainingArguments here; set it there")
+        self._ts_options = options
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            raise ValueError("TrainStreamTrainer does not support fp16 with loss scaling; use bf16=True or fp32")
+        if "adam" not in str(getattr(self.args.optim, "value", self.args.optim)):
+            raise ValueError(f"TrainStreamTrainer needs an Adam/AdamW optim, not {self.args.optim!r}")
+
+    def create_optimizer(self, model=None):
+        if not isinstance(self.optimizer, OffloadAdamW):
+            if self.optimizer is None:
+                super().create_optimizer(model)  # torch's AdamW with the Trainer's groups; wrap() converts it
+            norm = self.args.max_grad_norm
+            _, self.optimizer = wrap_hf(self.model, self.optimizer,
+                                        max_grad_norm=norm if norm and norm > 0 else None,
+                                        accumulation_steps=self.args.gradient_accumulation_steps,
+                                        **self._ts_options)
+            self.args.max_grad_norm = 0.0  # the optimizer clips; the Trainer's grads are already gone
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        parts = decoder_and_head(model) if self._ts_chunked and model.training else None
+        if (parts is None or return_outputs or "labels" not in inputs
+                or self.label_smoother is not None or self.compute_loss_func is not None):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        decoder, head = parts
+        return causal_lm_loss(_hidden(decoder, inputs), head.weight, inputs["labels"], head.bias,
+                              chunk_size=self._ts_chunk, num_items=num_items_in_batch)

@@ -1,0 +1,90 @@
+"""TrainStreamTrainer against the stock Trainer, resume from its checkpoints, and causal-LM log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trainstream
+from trainstream.integrations.huggingface import TrainStreamTrainer, causal_lm_logprobs, decoder_and_head
+from transformers import Trainer, TrainingArguments
+from ts_testing import tiny_llama
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, count=16, seq=12, vocab=97, seed=3):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (count, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[:3] = -100  # a prompt that does not count
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def _args(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                learning_rate=2e-3, max_grad_norm=0.5, max_steps=6, logging_steps=1, save_strategy="no",
+                report_to=[], use_cpu=True, seed=0, data_seed=0, lr_scheduler_type="linear", warmup_steps=1,
+                disable_tqdm=True, dataloader_num_workers=0)
+    base.update(overrides)
+    return TrainingArguments(**base)
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_matches_the_stock_trainer(tmp_path):
+    stock = Trainer(model=tiny_llama(), args=_args(tmp_path / "stock"), train_dataset=_Rows())
+    stock.train()
+    ours = TrainStreamTrainer(model=tiny_llama(), args=_args(tmp_path / "ours"), train_dataset=_Rows())
+    ours.train()
+    assert isinstance(ours.optimizer.optimizer if hasattr(ours.optimizer, "optimizer") else ours.optimizer,
+                      trainstream.OffloadAdamW)
+    assert _losses(ours) == pytest.approx(_losses(stock), rel=1e-4)
+    session = ours.model._trainstream_session
+    session.synchronize()
+    assert session.config.accumulation_steps == 2 and session.config.max_grad_norm == 0.5
+    for a, b in zip(ours.model.parameters(), stock.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_resume_from_checkpoint_continues(tmp_path):
+    straight = TrainStreamTrainer(model=tiny_llama(), args=_args(tmp_path / "a"), train_dataset=_Rows())
+    straight.train()
+    first = TrainStreamTrainer(model=tiny_llama(), args=_args(tmp_path / "b", save_strategy="steps", save_steps=3),
+                               train_dataset=_Rows())
+    first.train()
+    resumed = TrainStreamTrainer(model=tiny_llama(seed=9), args=_args(tmp_path / "b"), train_dataset=_Rows())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-3"))
+    resumed.model._trainstream_session.synchronize()
+    straight.model._trainstream_session.synchronize()
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_unsupported_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="Adam/AdamW"):
+        TrainStreamTrainer(model=tiny_llama(), args=_args(tmp_path, optim="sgd"), train_dataset=_Rows())
+    with pytest.raises(ValueError, match="loss_chunk_size"):
+        TrainStreamTrainer(model=tiny_llama(), args=_args(tmp_path), train_dataset=_Rows(),
+                           trainstream={"loss_chunk_size": 0})
+    with pytest.raises(ValueError, match="TrainingArguments"):
+        TrainStreamTrainer(model=tiny_llama(), args=_args(tmp_path), train_dataset=_Rows(),
+                           trainstream={"max_grad_norm": 1.0})
+
+
+def test_causal_lm_logprobs_match_the_model_logits():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (3, 10), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    ours = causal_lm_logprobs(model, ids, labels, chunk_size=7)
+    logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[:, :-1]
+    target = labels[:, 1:]
+    ref = (logp.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1) * (target != -100)).sum(1)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert decoder_and_head(torch.nn.Linear(3, 3)) is None
