@@ -4,7 +4,7 @@ import atexit
 
 from . import _core
 from ._cuda import cuda_adamw_step
-from ._functional import StepHandle, adamw_step, adamw_step_async, sum_of_squares
+from ._functional import HostAdamW, StepHandle, adamw_step, adamw_step_async, sum_of_squares
 from ._optimizer import AdamW
 
 # Steps still in flight at exit (handles never waited, or alive until interpreter teardown) finish before
@@ -31,6 +31,7 @@ def streaming_stores() -> str:
 
 __all__ = [
     "AdamW",
+    "HostAdamW",
     "StepHandle",
     "adamw_step",
     "adamw_step_async",

@@ -7,7 +7,7 @@ import torch
 from . import _core
 from ._args import plain, plain_list, scalar, seed_number, step_number, thread_count
 
-__all__ = ["StepHandle", "adamw_step", "adamw_step_async", "sum_of_squares"]
+__all__ = ["HostAdamW", "StepHandle", "adamw_step", "adamw_step_async", "sum_of_squares"]
 
 StepHandle = _core.StepHandle
 
@@ -62,3 +62,38 @@ def sum_of_squares(tensors: list[torch.Tensor], *, threads: int | None = None) -
     ``math.sqrt`` of it is the global L2 norm used for gradient clipping.
     """
     return _core.sum_of_squares(plain_list(tensors, "tensors"), thread_count(threads))
+
+
+class HostAdamW:
+    """The host engine with fixed hyper-parameters: ``.step(...)`` / ``.step_async(...)`` update one
+    flat buffer set in place (as ``adamw_step`` / ``adamw_step_async``), ``.grad_norm(grads)`` is the
+    fused global L2 norm. ``threads`` caps the host threads (default: all physical cores). Per-call
+    keyword arguments override the stored ones (a scheduler's new ``lr``, say)."""
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, maximize: bool = False, seed: int = 0, threads: int | None = None):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+        self.defaults = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay,
+                         "maximize": maximize, "seed": seed, "threads": threads}
+        # Validate now with the checks every step applies: one step on scratch tensors.
+        _core.step(*_native_args(*(torch.zeros(1) for _ in range(4)), None, lr, betas[0], betas[1], eps,
+                                 weight_decay, 1, maximize, 1.0, seed, threads))
+
+    def _kwargs(self, overrides: dict) -> dict:
+        unknown = set(overrides) - {*self.defaults, "grad_scale", "param_out", "step"}
+        if unknown:
+            raise ValueError(f"unknown HostAdamW step argument(s): {', '.join(sorted(unknown))}")
+        return {**self.defaults, **overrides}
+
+    def step(self, param, grad, exp_avg, exp_avg_sq, *, step: int, **overrides) -> None:
+        """One synchronous update (GIL released); see ``adamw_step``."""
+        adamw_step(param, grad, exp_avg, exp_avg_sq, step=step, **self._kwargs(overrides))
+
+    def step_async(self, param, grad, exp_avg, exp_avg_sq, *, step: int, **overrides) -> StepHandle:
+        """The same update queued on the background lane; returns a ``StepHandle``."""
+        return adamw_step_async(param, grad, exp_avg, exp_avg_sq, step=step, **self._kwargs(overrides))
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm over host gradients (fp32 / bf16 / fp16), in one threaded pass."""
+        return sum_of_squares(grads, threads=self.defaults["threads"]) ** 0.5
