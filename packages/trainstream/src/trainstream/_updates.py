@@ -8,8 +8,10 @@ queued on the optimizer stream. Either way the new weight's arrival is a
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,19 @@ def launch_device_update(slot: ParamSlot, grad: torch.Tensor, h: Hyper, channel,
     return pending
 
 
+_live_updaters: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_updates_at_exit() -> None:
+    # A daemon thread still inside a native call when the interpreter finalizes is
+    # killed with pthread_exit, whose forced unwind through C++ frames aborts the
+    # process. optimizer.step() returns before its updates finish, so a script may
+    # well exit right after one: let every worker finish first.
+    for updater in list(_live_updaters):
+        updater.close()
+
+
 class HostUpdater:
     """A worker thread that applies host updates in arrival order and uploads the results."""
 
@@ -102,6 +117,7 @@ class HostUpdater:
         self.updates = 0
         self._thread = threading.Thread(target=self._run, name="trainstream-host-adamw", daemon=True)
         self._thread.start()
+        _live_updaters.add(self)
 
     def submit(self, slot: ParamSlot, grad_token, h: Hyper) -> Pending:
         pending = Pending()
@@ -145,6 +161,9 @@ class HostUpdater:
             self._idle.wait_for(lambda: self._outstanding == 0)
 
     def close(self) -> None:
+        """Applies what is queued, then stops the worker (idempotent)."""
+        if not self._thread.is_alive():
+            return
         self.drain()
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join()
