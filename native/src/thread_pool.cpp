@@ -163,7 +163,7 @@ ThreadPool& host_pool() {
     return *pool_instance;
 }
 
-AsyncLane::AsyncLane() : thread_([this] { loop(); }) {}
+AsyncLane::AsyncLane() { thread_ = std::thread([this] { loop(); }); }
 
 AsyncLane::~AsyncLane() {
     {

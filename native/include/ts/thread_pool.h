@@ -80,12 +80,14 @@ public:
 
 private:
     void loop();
-    std::thread thread_;
     std::mutex mutex_;
     std::condition_variable wake_;
     std::deque<std::packaged_task<void()>> queue_;
     std::shared_future<void> last_;
     bool stop_ = false;
+    // Last, and started in the constructor body: the thread runs loop() at
+    // once, so every member it touches must already be constructed.
+    std::thread thread_;
 };
 
 }  // namespace ts
