@@ -146,3 +146,17 @@ def test_exception_mid_backward_then_a_good_step():
     assert set(steps) == {1.0, 2.0}
     assert steps[-1] == 2.0 and steps[0] == 1.0  # lm_head finished first, the embedding never did
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_second_session_grows_the_arena_by_what_it_lacks():
+    import ts_pinned
+
+    first, _ = trainstream.wrap(tiny_llama(), lr=1e-3)
+    before = ts_pinned.pinned_stats()
+    second, _ = trainstream.wrap(tiny_llama(seed=1), lr=1e-3)
+    after = ts_pinned.pinned_stats()
+    # The second session's state came from new slabs, not from blocks page-locked one by one.
+    assert after["arena_fallbacks"] == before["arena_fallbacks"]
+    assert after["arena_bytes"] > before["arena_bytes"]
+    trainstream.unwrap(first)
+    trainstream.unwrap(second)

@@ -93,10 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = trainstream.wrap(
         model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
         offload="auto" if args.offload == "auto" else True, moment_dtype=args.moment_dtype,
-        max_grad_norm=args.max_grad_norm, seed=args.seed)
+        max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True)
     session = model._trainstream_session
-    for line in session.events.lines():
-        print("  " + line)
     seen = len(session.events)
     losses, times = [], []
     for step, batch in enumerate(byte_batches(args.batch, args.seq, args.steps, args.seed), start=1):
@@ -110,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.perf_counter() - started)
         losses.append(value)
         _progress(step, args.steps, value, times[-1])
-        if len(session.events) > seen:
+        if len(session.events) > seen:  # a decision was printed mid-run: start a fresh progress line
             sys.stderr.write("\n")
-            for line in session.events.lines()[seen:]:
-                print("  " + line)
             seen = len(session.events)
     session.synchronize()
     report = trainstream.memory_report(model)
