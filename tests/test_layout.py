@@ -54,7 +54,7 @@ def test_public_modules_declare_all(package):
         assert "__all__" in names, f"{module.relative_to(ROOT)} has no __all__"
 
 
-@pytest.mark.parametrize("core", ["ts_pinned", "ts_adamw", "ts_quant"])
+@pytest.mark.parametrize("core", ["ts_pinned", "ts_adamw", "ts_quant", "ts_planner"])
 def test_cores_do_not_import_each_other(core):
     """A user who installs one core gets only that core: importing it loads no sibling."""
     others = {"ts_pinned", "ts_adamw", "ts_quant", "ts_kvcache", "ts_peer", "ts_planner", "trainstream"} - {core}

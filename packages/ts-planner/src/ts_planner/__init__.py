@@ -1,0 +1,15 @@
+"""Hardware probes and the memory planner of TrainStream."""
+
+from ._planner import Block, ResidencyPlan, plan_residency
+from ._profile import HardwareProfile, measure_host_bandwidth, measure_link, profile_hardware
+
+__all__ = [
+    "Block",
+    "HardwareProfile",
+    "ResidencyPlan",
+    "measure_host_bandwidth",
+    "measure_link",
+    "plan_residency",
+    "profile_hardware",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,117 @@
+"""HardwareProfile: measured rates and sizes of this machine, cached on disk."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import resource
+
+import torch
+
+from . import _core
+
+__all__ = ["HardwareProfile", "measure_host_bandwidth", "measure_link", "profile_hardware"]
+
+CACHE_ENV = "TRAINSTREAM_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """What one machine measured. Rates in GB/s (1e9 bytes per second), sizes in bytes.
+
+    ``link_*`` are None without a GPU. ``host_copy_gbps`` counts bytes read plus written.
+    """
+
+    gpu: str | None
+    vram_bytes: int
+    host_cores: int
+    host_ram_bytes: int
+    host_available_bytes: int
+    memlock_limit: int | None
+    host_copy_gbps: float
+    link_h2d_gbps: float | None
+    link_d2h_gbps: float | None
+    link_both_gbps: float | None
+
+    def summary(self) -> str:
+        link = ("no GPU" if self.link_h2d_gbps is None else
+                f"link {self.link_h2d_gbps:.1f} GB/s host->GPU, {self.link_d2h_gbps:.1f} GB/s GPU->host, "
+                f"{self.link_both_gbps:.1f} GB/s both at once")
+        gpu = f"{self.gpu} ({self.vram_bytes / 2**30:.1f} GiB)" if self.gpu else "no GPU"
+        return (f"{gpu}; {self.host_cores} host cores, {self.host_ram_bytes / 2**30:.1f} GiB RAM "
+                f"({self.host_available_bytes / 2**30:.1f} available), host copy {self.host_copy_gbps:.1f} GB/s; {link}")
+
+
+def measure_host_bandwidth(bytes: int = 256 << 20, threads: int | None = None, repeats: int = 3) -> float:
+    """Host memory copy rate in GB/s (bytes read + written) with the host pool's threads."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads!r} is not valid; use None (all physical cores) or an integer >= 1")
+    return _core.host_copy_gbps(int(bytes), threads or 0, int(repeats))
+
+
+def measure_link(device: torch.device | int | None = None, bytes: int = 256 << 20, repeats: int = 3) -> dict:
+    """Pinned host<->GPU copy rates in GB/s: ``h2d_gbps``, ``d2h_gbps``, ``both_gbps``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("measure_link needs a CUDA device")
+    index = torch.device("cuda", device).index if isinstance(device, int) else torch.device(
+        device or f"cuda:{torch.cuda.current_device()}").index
+    return _core.link_gbps(int(bytes), index if index is not None else torch.cuda.current_device(), int(repeats))
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def _cache_path(key: str) -> pathlib.Path:
+    root = pathlib.Path(os.environ.get(CACHE_ENV, pathlib.Path.home() / ".cache" / "trainstream"))
+    return root / f"hardware-{key}.json"
+
+
+def profile_hardware(device: torch.device | int | None = None, quick: bool = True, force: bool = False) -> HardwareProfile:
+    """Measures this machine (or loads the cached measurement; ``force`` re-measures).
+
+    ``quick`` uses 64 MiB transfers instead of 512 MiB. The cache lives in TRAINSTREAM_CACHE_DIR
+    (default ``~/.cache/trainstream``), keyed by GPU, core count and RAM size.
+    """
+    info = _meminfo()
+    gpu, vram = None, 0
+    if torch.cuda.is_available():
+        index = torch.device(device if not isinstance(device, int) else f"cuda:{device}").index \
+            if device is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        gpu, vram = props.name, props.total_memory
+    cores = _core.host_threads()
+    key = "-".join(str(x) for x in (gpu or "cpu", cores, info.get("MemTotal", 0) >> 30, "q" if quick else "f"))
+    key = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
+    path = _cache_path(key)
+    if path.exists() and not force:
+        try:
+            return HardwareProfile(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # a stale or foreign file: measure again
+    size = (64 << 20) if quick else (512 << 20)
+    link = measure_link(device, size) if gpu else {"h2d_gbps": None, "d2h_gbps": None, "both_gbps": None}
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    profile = HardwareProfile(
+        gpu=gpu, vram_bytes=vram, host_cores=cores, host_ram_bytes=info.get("MemTotal", 0),
+        host_available_bytes=info.get("MemAvailable", 0),
+        memlock_limit=None if soft == resource.RLIM_INFINITY else int(soft),
+        host_copy_gbps=measure_host_bandwidth(size),
+        link_h2d_gbps=link["h2d_gbps"], link_d2h_gbps=link["d2h_gbps"], link_both_gbps=link["both_gbps"],
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+    except OSError:
+        pass  # a read-only home: the profile still works, it is just not cached
+    return profile
