@@ -31,7 +31,7 @@ DEPENDS = {"trainstream": ["ts-pinned", "ts-adamw", "ts-quant"], "ts-kvcache": [
 # torch 2.13.0 CPU is on the CI machines' disk; a bare `torch` would pull a 5.5 GB CUDA build.
 TORCH = os.environ.get("TS_TORCH_SPEC", "torch==2.13.0")
 BUILD_DEPS = ["scikit-build-core>=0.11", "nanobind>=2.4", "cmake>=3.26", "ninja"]
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 HF_DEPS = ["transformers>=4.56", "peft>=0.13"]
 
 
