@@ -86,3 +86,14 @@ def test_stepping_an_unwrapped_offload_adamw_explains():
     opt = trainstream.OffloadAdamW(tiny_llama().parameters())
     with pytest.raises(RuntimeError, match=r"call trainstream\.wrap"):
         opt.step()
+
+
+def test_offload_adamw_settings_are_wraps_defaults():
+    model = tiny_llama()
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-3, mode="cpu", max_grad_norm=2.0,
+                                   accumulation_steps=3, moment_dtype="bf16")
+    model, opt = trainstream.wrap(model, opt, accumulation_steps=2)  # wrap()'s own option wins
+    config = model._trainstream_session.config
+    assert (config.max_grad_norm, config.accumulation_steps, config.moment_dtype) == (2.0, 2, "bfloat16")
+    with pytest.raises(ValueError, match="optimizer_mode='tpu'"):
+        trainstream.wrap(tiny_llama(), trainstream.OffloadAdamW(tiny_llama().parameters(), mode="tpu"))

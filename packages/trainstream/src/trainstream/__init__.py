@@ -5,6 +5,7 @@
 
 from ts_pinned import reserve_pinned
 
+from ._blocks import find_blocks
 from ._channel import transfer_stats
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
@@ -18,6 +19,7 @@ __all__ = [
     "causal_lm_loss",
     "chunked_cross_entropy",
     "dpo_loss",
+    "find_blocks",
     "memory_report",
     "pinned_stats",
     "reserve_pinned",

@@ -17,10 +17,16 @@ class OffloadAdamW(torch.optim.Optimizer):
     ``param_groups`` stay editable (schedulers work): each update reads its
     group's hyper-parameters when its gradient arrives. ``state_dict()`` is in
     ``torch.optim.AdamW``'s format plus ``master_param`` (fp32) per parameter.
+
+    ``mode`` (``"cpu"``, ``"gpu"``, ``"auto"``), ``max_grad_norm``, ``accumulation_steps`` and
+    ``moment_dtype`` are the engine settings ``wrap()`` uses for this optimizer unless its own
+    options say otherwise.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
+                 mode: str | None = None, max_grad_norm: float | None = None,
+                 accumulation_steps: int | None = None, moment_dtype: str | torch.dtype | None = None):
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is not valid; use a number >= 0")
         if not eps >= 0.0:
@@ -32,6 +38,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults)
         self._session = None  # set by wrap()
+        # Engine settings given here are wrap()'s defaults for this optimizer (wrap() validates them).
+        given = {"optimizer_mode": mode, "max_grad_norm": max_grad_norm,
+                 "accumulation_steps": accumulation_steps, "moment_dtype": moment_dtype}
+        self.wrap_options = {k: v for k, v in given.items() if v is not None}
 
     def _engine_or_raise(self):
         if self._session is None:

@@ -36,6 +36,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         raise ValueError(f"wrap() takes a torch.nn.Module, not {type(model).__name__}")
     if getattr(model, "_trainstream_session", None) is not None:
         raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
+    if isinstance(optimizer, OffloadAdamW):
+        options = {**optimizer.wrap_options, **options}
     opts = parse_options(options)
     device = _training_device(model, opts.device)
     if any(p.device != device for p in model.parameters()):
