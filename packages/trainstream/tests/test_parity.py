@@ -12,8 +12,8 @@ from ts_testing import batches, loss_of, max_param_diff, model_pair, tiny_llama
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
 
 
-def train_reference(model, steps, accumulation=1, max_norm=None, scheduler=None):
-    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+def _loop(model, opt, steps, accumulation, scheduler, clip=None):
+    """The same training loop for both runs; `clip` is the reference's clip_grad_norm_ call."""
     sched = scheduler(opt) if scheduler else None
     losses = []
     data = batches(steps * accumulation)
@@ -21,8 +21,8 @@ def train_reference(model, steps, accumulation=1, max_norm=None, scheduler=None)
         for micro in range(accumulation):
             loss = loss_of(model, data[step * accumulation + micro])
             loss.backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if clip:
+            clip()
         opt.step()
         opt.zero_grad()
         if sched:
@@ -31,21 +31,16 @@ def train_reference(model, steps, accumulation=1, max_norm=None, scheduler=None)
     return losses
 
 
+def train_reference(model, steps, accumulation=1, max_norm=None, scheduler=None):
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
+    clip = (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) if max_norm is not None else None
+    return _loop(model, opt, steps, accumulation, scheduler, clip)
+
+
 def train_wrapped(model, steps, accumulation=1, max_norm=None, scheduler=None, **options):
     opt = torch.optim.AdamW(model.parameters(), **HYPER)
     model, opt = trainstream.wrap(model, opt, accumulation_steps=accumulation, max_grad_norm=max_norm, **options)
-    sched = scheduler(opt) if scheduler else None
-    losses = []
-    data = batches(steps * accumulation)
-    for step in range(steps):
-        for micro in range(accumulation):
-            loss = loss_of(model, data[step * accumulation + micro])
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if sched:
-            sched.step()
-        losses.append(loss.item())
+    losses = _loop(model, opt, steps, accumulation, scheduler)
     model._trainstream_session.synchronize()
     return model, opt, losses
 
