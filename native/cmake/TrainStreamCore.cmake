@@ -57,7 +57,8 @@ find_package(nanobind CONFIG REQUIRED)
 
 set(TS_NATIVE_SOURCES
     "${TS_NATIVE_DIR}/src/thread_pool.cpp"
-    "${TS_NATIVE_DIR}/src/cuda_check.cpp")
+    "${TS_NATIVE_DIR}/src/cuda_check.cpp"
+    "${TS_NATIVE_DIR}/src/host_memory_info.cpp")
 
 function(ts_add_core target)
   cmake_parse_arguments(ARG "" "PACKAGE" "SOURCES;CUDA_SOURCES" ${ARGN})

@@ -6,6 +6,7 @@
 
 #include "ts/cuda_check.h"
 #include "ts/errors.h"
+#include "ts/host_memory_info.h"
 #include "ts/thread_pool.h"
 
 namespace ts {
@@ -24,6 +25,13 @@ inline void register_common(nb::module_& m) {
     m.def("cuda_device_present", &cuda_device_present,
           "True when this core was built with CUDA and a device and driver are present.");
     m.def("host_threads", &host_pool_threads, "Threads of the host pool (physical cores by default).");
+    m.def("host_memory", [] {
+        HostMemoryInfo info = host_memory_info();
+        nb::dict d;
+        d["total"] = info.total;
+        d["available"] = info.available;
+        return d;
+    }, "Host RAM in bytes from /proc/meminfo: {'total', 'available'} (zeros where unreadable).");
     m.def("set_host_threads", &set_host_pool_threads, nb::arg("threads"),
           "Sizes the host pool; only before its first use. Returns False when it already runs.");
 }

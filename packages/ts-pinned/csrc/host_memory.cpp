@@ -3,12 +3,12 @@
 #include <sys/resource.h>
 
 #include <cstdlib>
-#include <fstream>
 #include <new>
 #include <sstream>
 
 #include "ts/cuda_check.h"
 #include "ts/errors.h"
+#include "ts/host_memory_info.h"
 
 namespace ts_pinned {
 
@@ -40,16 +40,8 @@ std::string describe_host_limits() {
         out << "memlock limit "
             << (limit.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : format_bytes(limit.rlim_cur));
     }
-    std::ifstream meminfo("/proc/meminfo");
-    std::string key;
-    unsigned long long kib = 0;
-    std::string unit;
-    while (meminfo >> key >> kib >> unit) {
-        if (key == "MemAvailable:") {
-            out << ", " << format_bytes(kib * 1024ull) << " of RAM available";
-            break;
-        }
-    }
+    ts::HostMemoryInfo info = ts::host_memory_info();
+    if (info.total > 0) out << ", " << format_bytes(info.available) << " of RAM available";
     return out.str();
 }
 

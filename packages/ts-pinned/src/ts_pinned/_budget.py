@@ -5,6 +5,8 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
+from . import _core
+
 __all__ = ["PageLockBudget", "page_lock_budget"]
 
 
@@ -24,30 +26,18 @@ class PageLockBudget:
     budget: int
 
 
-def _meminfo() -> dict[str, int]:
-    values = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return values
-
-
 def page_lock_budget(fraction: float = 0.8) -> PageLockBudget:
     """Measures the memlock limit and available RAM; ``fraction`` (0, 1] of available RAM is the budget."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     memlock = None if soft == resource.RLIM_INFINITY else int(soft)
-    info = _meminfo()
-    available = info.get("MemAvailable", info.get("MemFree", 0))
+    info = _core.host_memory()
+    available = info["available"]
     budget = int(available * fraction)
     # A tiny default memlock (64 KiB) means the limit is not enforced for the
     # CUDA driver's allocations in practice; only a deliberately raised limit
     # is a real plan bound.
     if memlock is not None and memlock >= (1 << 30):
         budget = min(budget, memlock)
-    return PageLockBudget(memlock, available, info.get("MemTotal", 0), budget)
+    return PageLockBudget(memlock, available, info["total"], budget)

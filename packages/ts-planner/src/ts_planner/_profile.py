@@ -60,18 +60,6 @@ def measure_link(device: torch.device | int | None = None, bytes: int = 256 << 2
     return _core.link_gbps(int(bytes), index if index is not None else torch.cuda.current_device(), int(repeats))
 
 
-def _meminfo() -> dict[str, int]:
-    values = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return values
-
-
 def _cache_path(key: str) -> pathlib.Path:
     root = pathlib.Path(os.environ.get(CACHE_ENV, pathlib.Path.home() / ".cache" / "trainstream"))
     return root / f"hardware-{key}.json"
@@ -83,7 +71,7 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
     ``quick`` uses 64 MiB transfers instead of 512 MiB. The cache lives in TRAINSTREAM_CACHE_DIR
     (default ``~/.cache/trainstream``), keyed by GPU, core count and RAM size.
     """
-    info = _meminfo()
+    info = _core.host_memory()
     gpu, vram = None, 0
     if torch.cuda.is_available():
         index = torch.device(device if not isinstance(device, int) else f"cuda:{device}").index \
@@ -91,7 +79,7 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
         props = torch.cuda.get_device_properties(index)
         gpu, vram = props.name, props.total_memory
     cores = _core.host_threads()
-    key = "-".join(str(x) for x in (gpu or "cpu", cores, info.get("MemTotal", 0) >> 30, "q" if quick else "f"))
+    key = "-".join(str(x) for x in (gpu or "cpu", cores, info["total"] >> 30, "q" if quick else "f"))
     key = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
     path = _cache_path(key)
     if path.exists() and not force:
@@ -103,8 +91,8 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
     link = measure_link(device, size) if gpu else {"h2d_gbps": None, "d2h_gbps": None, "both_gbps": None}
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     profile = HardwareProfile(
-        gpu=gpu, vram_bytes=vram, host_cores=cores, host_ram_bytes=info.get("MemTotal", 0),
-        host_available_bytes=info.get("MemAvailable", 0),
+        gpu=gpu, vram_bytes=vram, host_cores=cores, host_ram_bytes=info["total"],
+        host_available_bytes=info["available"],
         memlock_limit=None if soft == resource.RLIM_INFINITY else int(soft),
         host_copy_gbps=measure_host_bandwidth(size),
         link_h2d_gbps=link["h2d_gbps"], link_d2h_gbps=link["d2h_gbps"], link_both_gbps=link["both_gbps"],
