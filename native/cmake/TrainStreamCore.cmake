@@ -1,6 +1,11 @@
 # Shared build logic for every TrainStream core (a nanobind extension `_core`).
 #
-#   ts_add_core(<target> PACKAGE <import_name> SOURCES <cpp...> [CUDA_SOURCES <cu...>])
+#   ts_add_core(<target> PACKAGE <import_name> SOURCES <cpp...> [CUDA_SOURCES <cu...>]
+#               [SM90A_SOURCES <cu...>])
+#
+# SM90A_SOURCES use Hopper-only instructions (wgmma, setmaxnreg): they are
+# built for sm_90a alone, and only when the architectures include 90, in
+# which case the target gets TS_WITH_SM90A=1.
 #
 # Options (cache variables; scikit-build-core passes the environment variables
 # of the same name through pyproject.toml):
@@ -61,7 +66,7 @@ set(TS_NATIVE_SOURCES
     "${TS_NATIVE_DIR}/src/host_memory_info.cpp")
 
 function(ts_add_core target)
-  cmake_parse_arguments(ARG "" "PACKAGE" "SOURCES;CUDA_SOURCES" ${ARGN})
+  cmake_parse_arguments(ARG "" "PACKAGE" "SOURCES;CUDA_SOURCES;SM90A_SOURCES" ${ARGN})
   if(NOT ARG_PACKAGE)
     message(FATAL_ERROR "ts_add_core(${target}): PACKAGE <import_name> is required")
   endif()
@@ -88,6 +93,19 @@ function(ts_add_core target)
                                                CUDA_ARCHITECTURES "${TS_CUDA_ARCHITECTURES}")
     target_link_libraries(${target} PRIVATE CUDA::cudart_static)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -O3 -lineinfo>)
+    if(ARG_SM90A_SOURCES AND ("90" IN_LIST TS_CUDA_ARCHITECTURES OR "90a" IN_LIST TS_CUDA_ARCHITECTURES))
+      # The object files carry sm_90a machine code only; the module calls
+      # into them only on compute capability 9.0 devices.
+      add_library(${target}_sm90a OBJECT ${ARG_SM90A_SOURCES})
+      set_target_properties(${target}_sm90a PROPERTIES CUDA_ARCHITECTURES "90a" CUDA_RUNTIME_LIBRARY Static
+                                                        POSITION_INDEPENDENT_CODE ON)
+      target_include_directories(${target}_sm90a PRIVATE "${TS_NATIVE_DIR}/include" "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
+      target_compile_definitions(${target}_sm90a PRIVATE TS_WITH_CUDA=1)
+      target_compile_options(${target}_sm90a PRIVATE --expt-relaxed-constexpr -O3 -lineinfo)
+      target_link_libraries(${target}_sm90a PRIVATE CUDA::cudart_static)
+      target_sources(${target} PRIVATE $<TARGET_OBJECTS:${target}_sm90a>)
+      target_compile_definitions(${target} PRIVATE TS_WITH_SM90A=1)
+    endif()
   endif()
   install(TARGETS ${target} LIBRARY DESTINATION "${ARG_PACKAGE}")
 endfunction()

@@ -9,6 +9,7 @@ projection) and x 512 x 5120. Prints markdown tables; --json writes every number
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -19,21 +20,49 @@ import torch.nn.functional as F
 import ts_quant
 
 N, K, M = 13824, 5120, 512
+SPIN_CYCLES = 40_000_000  # about 20 ms of GPU spin: longer than the host needs to enqueue a timed loop
+COPIES = 4  # weight copies the linear timings rotate through: 4 x 35 MB of NF4 exceeds the 60 MB L2
 
 
-def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of fn() on the current stream (CUDA events)."""
+def cuda_time_ms(fn, iters: int = 40, warmup: int = 5, reps: int = 5) -> float:
+    """Median GPU milliseconds per fn() call, launch gaps excluded.
+
+    The GPU is held by a spin kernel while the host enqueues `iters` calls, so the events bracket
+    back-to-back GPU work even where the host takes longer per call than the GPU (host_us_per_call
+    reports that side).
+    """
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        fn()
+        for _ in range(iters):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def host_us_per_call(fn, iters: int = 40) -> float:
+    """Host microseconds to issue one fn() call (the GPU held busy, so no call waits on it)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN_CYCLES)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds / iters * 1e6
+
+
+def rotating(fn, operands):
+    """fn over the operands in turn: each call reads a buffer the last few calls did not, as layers do."""
+    cycle = itertools.cycle(operands)
+    return lambda: fn(next(cycle))
 
 
 def copy_bandwidth() -> float:
@@ -83,32 +112,54 @@ def fp8_parts(x: torch.Tensor, w: torch.Tensor, bf16_ms: float) -> list[dict]:
         "fp8 scaled_mm only": lambda: _scaled.fp8_scaled_mm(codes, scales, q, x.dtype),
         "fp8 total (quantized_linear)": lambda: ts_quant.quantized_linear(x, q),
     }
-    return [{"path": name, "ms": (ms := cuda_time_ms(fn)), "x bf16": ms / bf16_ms} for name, fn in parts.items()]
+    return [{"path": name, "ms": (ms := cuda_time_ms(fn)), "x bf16": ms / bf16_ms, "host us/call": host_us_per_call(fn)}
+            for name, fn in parts.items()]
 
 
 def linear_rates(w: torch.Tensor) -> list[dict]:
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    wb = w.to(torch.bfloat16)
-    bf16_ms = cuda_time_ms(lambda: F.linear(x, wb))
-    rows = [{"path": "bf16 matmul", "ms": bf16_ms, "x bf16": 1.0}]
-    default = ts_quant.configure_linear()["tiles"]
+    wbs = [w.to(torch.bfloat16) for _ in range(COPIES)]
+    bf16 = rotating(lambda wb: F.linear(x, wb), wbs)
+    bf16_ms = cuda_time_ms(bf16)
+    rows = [{"path": "bf16 matmul", "ms": bf16_ms, "x bf16": 1.0, "host us/call": host_us_per_call(bf16)}]
+    del wbs
     for fmt in ts_quant.FORMATS:
-        q = ts_quant.quantize(w, fmt)
-        ms = cuda_time_ms(lambda q=q: q.dequantize(torch.bfloat16))
-        rows.append({"path": f"{fmt} dequantize only", "ms": ms, "x bf16": ms / bf16_ms})
-        settings = [1, 2, 4] if fmt in ("nf4", "int8") else [default]
-        for tiles in settings:
-            ts_quant.configure_linear(tiles=tiles)
-            path = ts_quant.linear_path(x, q)
-            ms = cuda_time_ms(lambda q=q: ts_quant.quantized_linear(x, q))
-            rows.append({"path": f"{fmt} ({path}, tiles={tiles})", "ms": ms, "x bf16": ms / bf16_ms})
-        ts_quant.configure_linear(tiles=default)
+        qs = [ts_quant.quantize(w, fmt) for _ in range(COPIES)]
+        ms = cuda_time_ms(rotating(lambda q: q.dequantize(torch.bfloat16), qs))
+        rows.append({"path": f"{fmt} dequantize only", "ms": ms, "x bf16": ms / bf16_ms, "host us/call": 0.0})
+        for fused in (True, False):
+            ts_quant.configure_linear(fused=fused)
+            path = ts_quant.linear_path(x, qs[0])
+            if not fused and path not in ("dequantize", "dequantize_tiled"):
+                continue  # the fused switch changes nothing for this format
+            call = rotating(lambda q: ts_quant.quantized_linear(x, q), qs)
+            ms = cuda_time_ms(call)
+            rows.append({"path": f"{fmt} ({path})", "ms": ms, "x bf16": ms / bf16_ms,
+                         "host us/call": host_us_per_call(call)})
+        ts_quant.configure_linear(fused=True)
+        del qs
     rows += fp8_parts(x, w, bf16_ms)
     bnb = _bnb_linear()
     if bnb is not None:
-        packed, state = bnb.functional.quantize_4bit(wb, blocksize=64, quant_type="nf4")
-        ms = cuda_time_ms(lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state))
-        rows.append({"path": f"bitsandbytes {bnb.__version__} matmul_4bit nf4", "ms": ms, "x bf16": ms / bf16_ms})
+        packed, state = bnb.functional.quantize_4bit(w.to(torch.bfloat16), blocksize=64, quant_type="nf4")
+        call = lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state)  # noqa: E731
+        ms = cuda_time_ms(call)
+        rows.append({"path": f"bitsandbytes {bnb.__version__} matmul_4bit nf4", "ms": ms, "x bf16": ms / bf16_ms,
+                     "host us/call": host_us_per_call(call)})
+    return rows
+
+
+def fused_sweep(w: torch.Tensor) -> list[dict]:
+    """NF4 fused kernel against bf16 across batch sizes (the tile width follows m)."""
+    rows = []
+    qs = [ts_quant.quantize(w, "nf4") for _ in range(COPIES)]
+    wbs = [w.to(torch.bfloat16) for _ in range(COPIES)]
+    for m in (16, 64, 128, 256, 512, 1024, 2048):
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        bf16_ms = cuda_time_ms(rotating(lambda wb, x=x: F.linear(x, wb), wbs))
+        ms = cuda_time_ms(rotating(lambda q, x=x: ts_quant.quantized_linear(x, q), qs))
+        tflops = 2 * m * N * K / ms / 1e9
+        rows.append({"m": m, "bf16 ms": bf16_ms, "nf4 fused ms": ms, "x bf16": ms / bf16_ms, "TFLOP/s": tflops})
     return rows
 
 
@@ -162,6 +213,9 @@ def main() -> None:
         w = torch.randn(N, K, device="cuda")
         result["dequantize"] = dequantize_rates(w, result["copy GB/s"])
         result["linear"] = linear_rates(w)
+        if ts_quant.linear_path(torch.empty(1, K, device="cuda", dtype=torch.bfloat16),
+                                ts_quant.quantize(w[:128], "nf4")) == "fused_sm90":
+            result["fused sweep"] = fused_sweep(w)
         del w
     result["weight error"] = weight_errors("cuda" if torch.cuda.is_available() else "cpu")
     result["cpu quantize"] = cpu_quantize_rates(args.quick)
@@ -170,7 +224,10 @@ def main() -> None:
     if "copy GB/s" in result:
         print(f"\nHBM copy: {result['copy GB/s']:.0f} GB/s\n")
         print(table(f"Dequantize W {N}x{K} to bf16 (bytes read + written)", result["dequantize"]))
-        print(table(f"Forward x {M}x{K} @ W^T, W {N}x{K}", result["linear"]))
+        print(table(f"Forward x {M}x{K} @ W^T, W {N}x{K} (GPU time per call; {COPIES} weight copies rotated)",
+                    result["linear"]))
+        if "fused sweep" in result:
+            print(table(f"NF4 fused vs bf16 over batch rows m (W {N}x{K})", result["fused sweep"]))
     print(table("Weight error on a 4096x4096 N(0,1) matrix (||dequant - w|| / ||w||)", result["weight error"]))
     print(table("CPU quantize (bf16 input)", result["cpu quantize"]))
     if args.json:

@@ -188,3 +188,18 @@ def test_configure_linear():
     assert ts_quant.configure_linear()["tiles"] >= 1
     with pytest.raises(ValueError):
         ts_quant.configure_linear(tiles=0)
+
+
+def test_fused_linear_reasons_name_the_blocking_condition():
+    from ts_quant import _fused
+
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    assert "fp8" in _fused.fused_linear_reason(x, ts_quant.quantize(torch.randn(64, 128), "fp8"))
+    q = ts_quant.quantize(torch.randn(64, 128), "nf4")
+    assert "float16" in _fused.fused_linear_reason(x.half(), q)
+    assert "multiple of 64" in _fused.fused_linear_reason(torch.zeros(2, 96, dtype=torch.bfloat16),
+                                                         ts_quant.quantize(torch.randn(64, 96), "nf4"))
+    assert "power of two" in _fused.fused_linear_reason(x, ts_quant.quantize(torch.randn(64, 128), "int8", 48))
+    with pytest.raises(ValueError, match="fused"):
+        ts_quant.configure_linear(fused=1)
+    assert ts_quant.configure_linear()["fused"] is True

@@ -8,18 +8,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _scaled
+from . import _fused, _scaled
 from ._tensor import QuantizedTensor, quantize
 from ._tiled import tiled_linear
 
 __all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
 
-_settings = {"tiles": 1}  # measured on the H200: tiling only added launches (tiles=4 was slowest)
+# tiles: measured on the H200, tiling only added launches (tiles=4 was slowest).
+# fused: the Hopper fused kernel where it applies.
+_settings = {"tiles": 1, "fused": True}
 _broken: set[str] = set()  # tensor-core paths that failed once in this process
 
 
-def configure_linear(tiles: int | None = None) -> dict:
-    """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling). Returns the settings."""
+def configure_linear(tiles: int | None = None, fused: bool | None = None) -> dict:
+    """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling) and whether the
+    Hopper fused kernel is used where it applies (default True). Returns the settings."""
+    if fused is not None:
+        if not isinstance(fused, bool):
+            raise ValueError(f"fused={fused!r} must be True or False")
+        _settings["fused"] = fused
     if tiles is not None:
         if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
             raise ValueError(f"tiles={tiles!r} must be an int >= 1")
@@ -35,8 +42,9 @@ def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
     """The forward path quantized_linear takes for these operands, and why not a faster one.
 
     "fp8_scaled_mm" (Hopper, fp8 128x128 weights, N and K multiples of 128), "nvfp4_scaled_mm"
-    (sm_100+, K a multiple of 32), "dequantize_tiled" (CUDA: dequantization overlapped with bf16
-    matmuls), "dequantize" (CPU, or tiles=1: dequantize then F.linear).
+    (sm_100+, K a multiple of 32), "fused_sm90" (Hopper, int8/nf4/nvfp4 weights, bf16 x, K a multiple
+    of 64: codes decoded in registers into wgmma), "dequantize_tiled" (CUDA: dequantization overlapped
+    with bf16 matmuls), "dequantize" (CPU, or tiles=1: dequantize then F.linear).
     """
     n, k = qweight.shape
     if x.device.type != "cuda":
@@ -48,6 +56,8 @@ def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
     if (qweight.format == "nvfp4" and has_scaled_mm and "nvfp4_scaled_mm" not in _broken
             and _capability(x.device)[0] >= 10 and k % 32 == 0 and hasattr(torch, "float4_e2m1fn_x2")):
         return "nvfp4_scaled_mm"
+    if "fused_sm90" not in _broken and _settings["fused"] and _fused.fused_linear_reason(x, qweight) is None:
+        return "fused_sm90"
     return "dequantize_tiled" if _settings["tiles"] > 1 and n > 1 else "dequantize"
 
 
@@ -73,10 +83,12 @@ def _check_operands(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tenso
 
 def _forward(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, outliers: float) -> torch.Tensor:
     path = linear_path(x2d, q)
-    if path in ("fp8_scaled_mm", "nvfp4_scaled_mm"):
+    if path in ("fp8_scaled_mm", "nvfp4_scaled_mm", "fused_sm90"):
         try:
             if path == "fp8_scaled_mm":
                 return _scaled.fp8_scaled_mm_linear(x2d, q, bias)
+            if path == "fused_sm90":
+                return _fused.fused_linear(x2d, q, bias)
             return _scaled.nvfp4_scaled_mm_linear(x2d, q, bias, outliers)
         except RuntimeError as error:  # an unsupported torch build: fall back once, loudly
             _broken.add(path)

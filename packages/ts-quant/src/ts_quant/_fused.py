@@ -1,0 +1,64 @@
+"""Hopper's fused dequantize + matmul (csrc/sm90/fused_linear.cu) for int8, NF4 and NVFP4 weights.
+
+The weight codes are decoded in registers straight into wgmma's A operand (y^T = W x^T), so no bf16
+copy of the weight is ever written; x is copied once into a column-permuted workspace that matches
+the order in which each thread reads its codes. The decoded values are the ones `dequantize` writes,
+so the result equals `F.linear(x, q.dequantize(torch.bfloat16), bias)` up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _core
+from ._formats import FORMAT_IDS
+from ._tensor import QuantizedTensor
+
+__all__ = ["fused_linear", "fused_linear_reason"]
+
+FUSED_FORMATS = ("int8", "nf4", "nvfp4")
+_available: dict[int, bool] = {}
+
+
+def _device_available(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _available:
+        _available[index] = bool(_core.built_with_cuda and _core.fused_linear_available(index))
+    return _available[index]
+
+
+def fused_linear_reason(x2d: torch.Tensor, q: QuantizedTensor) -> str | None:
+    """None when fused_linear can take these operands, else why not (for linear_path's report)."""
+    k = q.shape[1]
+    block = q.block_size
+    if q.format not in FUSED_FORMATS:
+        return f"{q.format} weights are not decoded by the fused kernel"
+    if x2d.dtype != torch.bfloat16:
+        return f"x is {x2d.dtype}, the fused kernel takes bfloat16"
+    if k % 64:
+        return f"in_features={k} is not a multiple of 64"
+    if block < 16 or block & (block - 1):
+        return f"block_size={block} is not a power of two >= 16"
+    if not _device_available(x2d.device):
+        return "needs compute capability 9.0 and a build with sm_90 in TS_CUDA_ARCHITECTURES"
+    if q.data.data_ptr() % 16:
+        return "the codes are not 16-byte aligned"
+    return None
+
+
+def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2d @ q.dequantize(bf16)^T + bias in one kernel (plus the x permutation); x2d bf16 [m, k] on an sm_90 GPU."""
+    m = x2d.shape[0]
+    n = q.shape[0]
+    x2d = x2d.contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x2d.device)
+    if m == 0:
+        return out
+    x_perm = torch.empty_like(x2d)
+    scales = q.block_scales()
+    if q.format == "nvfp4":
+        scales = scales.view(torch.uint8)
+    stream = torch.cuda.current_stream(x2d.device).cuda_stream
+    _core.fused_linear(FORMAT_IDS[q.format], x2d, x_perm, q.data, scales, q.global_scale, q.block_size, n,
+                       None if bias is None else bias.detach(), out, stream)
+    return out

@@ -1,0 +1,91 @@
+"""Hopper fused dequantize + matmul (fused_sm90) against dequantize-then-matmul, on fresh random data."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import ts_quant
+from ts_quant import _fused
+
+pytestmark = pytest.mark.cuda
+
+
+def _needs_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused kernel is built for sm_90a (H100/H200) only")
+    if not ts_quant._core.fused_linear_available(torch.cuda.current_device()):
+        pytest.skip("this build has no sm_90a kernels (TS_CUDA_ARCHITECTURES without 90)")
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+CASES = [  # (format, m, n, k, block, double_quant)
+    ("nf4", 512, 1024, 1024, 64, False),
+    ("nf4", 1, 128, 64, 64, False),
+    ("nf4", 7, 200, 192, 64, False),     # n not a multiple of the 128-row tile
+    ("nf4", 130, 384, 512, 32, False),   # two blocks per 64-column tile
+    ("nf4", 300, 256, 640, 128, True),   # double-quantized absmax
+    ("int8", 96, 640, 1024, 64, False),
+    ("int8", 257, 136, 256, 256, False),
+    ("nvfp4", 64, 512, 320, 16, False),
+    ("nvfp4", 513, 264, 1024, 16, False),
+]
+
+
+@pytest.mark.parametrize("fmt,m,n,k,block,double_quant", CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_matches_dequantize_then_matmul(fmt, m, n, k, block, double_quant, with_bias):
+    _needs_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(m * 31 + n * 7 + k)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) if with_bias else None
+    q = ts_quant.quantize(w, fmt, None if fmt == "nvfp4" else block, double_quant=double_quant)
+    assert ts_quant.linear_path(x, q) == "fused_sm90"
+    out = ts_quant.quantized_linear(x, q, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    wd = q.dequantize(torch.bfloat16)
+    ref = x.double() @ wd.double().t() + (0 if bias is None else bias.double())
+    cublas = F.linear(x, wd, bias)
+    fused_error, cublas_error = _relative_error(out, ref), _relative_error(cublas, ref)
+    # Same bf16 operands, fp32 sums in another order: the error is bf16 output rounding, like cuBLAS's.
+    assert fused_error < 4e-3 and fused_error <= 1.5 * cublas_error + 1e-4, (fused_error, cublas_error)
+
+
+def test_fused_writes_every_output_and_takes_strided_x():
+    _needs_sm90()
+    torch.manual_seed(1)
+    q = ts_quant.quantize(torch.randn(256, 512, device="cuda"), "nf4")
+    x = torch.randn(512, 100, device="cuda").to(torch.bfloat16).t()  # [100, 512], not contiguous
+    out = _fused.fused_linear(x, q, None)
+    ref = x.double() @ q.dequantize(torch.bfloat16).double().t()
+    assert torch.isfinite(out).all()
+    assert _relative_error(out, ref) < 4e-3
+
+
+def test_fused_backward_gives_input_and_bias_grads():
+    _needs_sm90()
+    torch.manual_seed(2)
+    q = ts_quant.quantize(torch.randn(192, 256, device="cuda"), "nf4")
+    x = torch.randn(4, 8, 256, device="cuda").to(torch.bfloat16).requires_grad_()
+    bias = torch.zeros(192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ts_quant.quantized_linear(x, q, bias).float().square().sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    br = bias.detach().clone().requires_grad_()
+    F.linear(xr, q.dequantize(torch.bfloat16), br).float().square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=3e-2, atol=3e-2 * xr.grad.abs().max().item())
+    torch.testing.assert_close(bias.grad, br.grad, rtol=3e-2, atol=3e-2 * br.grad.abs().max().item())
+
+
+def test_fused_empty_batch_and_fallbacks():
+    _needs_sm90()
+    q = ts_quant.quantize(torch.randn(128, 128, device="cuda"), "int8")
+    assert ts_quant.quantized_linear(torch.empty(0, 128, device="cuda", dtype=torch.bfloat16), q).shape == (0, 128)
+    x16 = torch.randn(3, 128, device="cuda", dtype=torch.float16)
+    assert ts_quant.linear_path(x16, q) == "dequantize"  # fp16 x: not the fused kernel
+    ts_quant.configure_linear(fused=False)
+    try:
+        assert ts_quant.linear_path(x16.bfloat16(), q) == "dequantize"
+    finally:
+        ts_quant.configure_linear(fused=True)
