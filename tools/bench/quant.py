@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 import ts_quant
+from ts_quant import _fused
 
 N, K, M = 13824, 5120, 512
 SPIN_CYCLES = 40_000_000  # about 20 ms of GPU spin: longer than the host needs to enqueue a timed loop
@@ -159,7 +160,12 @@ def fused_sweep(w: torch.Tensor) -> list[dict]:
         bf16_ms = cuda_time_ms(rotating(lambda wb, x=x: F.linear(x, wb), wbs))
         ms = cuda_time_ms(rotating(lambda q, x=x: ts_quant.quantized_linear(x, q), qs))
         tflops = 2 * m * N * K / ms / 1e9
-        rows.append({"m": m, "bf16 ms": bf16_ms, "nf4 fused ms": ms, "x bf16": ms / bf16_ms, "TFLOP/s": tflops})
+        rows.append({"m": m, "tile_m": "auto", "bf16 ms": bf16_ms, "nf4 fused ms": ms, "x bf16": ms / bf16_ms,
+                     "TFLOP/s": tflops})
+        for tile_m in (128, 256) if m >= 512 else ():
+            ms = cuda_time_ms(rotating(lambda q, x=x, t=tile_m: _fused.fused_linear(x, q, None, t), qs))
+            rows.append({"m": m, "tile_m": tile_m, "bf16 ms": bf16_ms, "nf4 fused ms": ms, "x bf16": ms / bf16_ms,
+                         "TFLOP/s": 2 * m * N * K / ms / 1e9})
     return rows
 
 

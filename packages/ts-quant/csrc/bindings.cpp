@@ -136,7 +136,7 @@ bool fused_linear_available(int device) {
 // out [m, n] = x [m, k] @ dequantize(W [n, k])^T (+ bias) on Hopper, without a bf16 copy of W.
 void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyArray scales,
                   std::optional<FloatArray> global, int64_t block, int64_t n, std::optional<AnyArray> bias,
-                  AnyArray out, uintptr_t stream) {
+                  AnyArray out, uintptr_t stream, int tile_m) {
     TS_CHECK_ARG(format == int(Format::int8) || format == int(Format::nf4) || format == int(Format::nvfp4),
                  "fused_linear: format must be int8, nf4 or nvfp4");
     TS_CHECK_ARG(x.ndim() == 2 && x_perm.ndim() == 2 && out.ndim() == 2, "fused_linear: x, x_perm and out must be 2-D");
@@ -161,14 +161,14 @@ void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyA
     TS_CHECK_ARG(format != int(Format::nvfp4) || (global && global->size() >= 1),
                  "fused_linear: nvfp4 needs its per-tensor scale");
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    TS_CHECK_ARG(aligned(x.data()) && aligned(x_perm.data()) && aligned(codes.data()),
-                 "fused_linear: x, x_perm and codes must be 16-byte aligned");
+    TS_CHECK_ARG(aligned(x.data()) && aligned(x_perm.data()) && aligned(codes.data()) && aligned(scales.data()),
+                 "fused_linear: x, x_perm, codes and scales must be 16-byte aligned");
     TS_CHECK_ARG(fused_linear_available(device), "fused_linear: needs a compute capability 9.0 GPU and a build with "
                                                  "sm_90 in TS_CUDA_ARCHITECTURES");
 #ifdef TS_WITH_SM90A
     fused_linear_sm90(static_cast<Format>(format), x.data(), x_perm.data(), m, k, codes.data(), scales.data(),
-                      global ? global->data() : nullptr, block, n, bias ? bias->data() : nullptr, out.data(), device,
-                      stream);
+                      global ? global->data() : nullptr, block, n, bias ? bias->data() : nullptr, out.data(), tile_m,
+                      device, stream);
 #endif
 }
 
@@ -191,6 +191,6 @@ NB_MODULE(_core, m) {
           "Whether fused_linear runs on this CUDA device (compute capability 9.0 and an sm_90a build).");
     m.def("fused_linear", &fused_linear, nb::arg("format"), nb::arg("x"), nb::arg("x_perm").noconvert(),
           nb::arg("codes"), nb::arg("scales"), nb::arg("global_scale").none(), nb::arg("block"), nb::arg("n"),
-          nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("stream"),
+          nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
           "out = x @ dequantize(W)^T (+ bias) on Hopper tensor cores, decoding int8/nf4/nvfp4 codes in registers.");
 }

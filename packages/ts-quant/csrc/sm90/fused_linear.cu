@@ -54,13 +54,27 @@ __constant__ float kFusedNf4[16] = {TS_QUANT_NF4_CODES};
 __constant__ float kFusedE2m1[16] = {TS_QUANT_E2M1_VALUES, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 struct FusedArgs {
-    const uint8_t* codes;
-    const void* scales;        // fp32 per block, or e4m3 bytes (nvfp4)
+    const uint8_t* scales;     // fp32 per block, or e4m3 bytes (nvfp4)
     const float* global_scale; // nvfp4 only
     const __nv_bfloat16* bias; // may be null
     __nv_bfloat16* out;        // [m, n]
     int m, n, k;
     int block_shift;           // log2(block size)
+};
+
+// Shared memory of one pipeline stage: the x tile (TMA, 128-byte swizzle),
+// the weight codes of the CTA's 128 rows (TMA, plain rows) and their scales
+// (cp.async by the producer warpgroup, 16 bytes a row).
+template <Format F, int BM>
+struct StageLayout {
+    static constexpr int kCodeRowBytes = F == Format::int8 ? kTileK : kTileK / 2;
+    static constexpr int kScaleRowBytes = 16;
+    static constexpr int kXBytes = BM * kTileK * 2;
+    static constexpr int kCodeBytes = kTileN * kCodeRowBytes;
+    static constexpr int kScaleBytes = kTileN * kScaleRowBytes;
+    static constexpr int kBytes = kXBytes + kCodeBytes + kScaleBytes;  // a multiple of 1024
+    static_assert(kBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled x tile");
+    static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + 2 * kStages * sizeof(uint64_t) + 16 * sizeof(float);
 };
 
 // One thread's codes for one row and one 64-wide k tile: values 16t..16t+15.
@@ -69,12 +83,12 @@ struct RowCodes {
     static constexpr bool kFourBit = F != Format::int8;
     uint32_t w[kFourBit ? 2 : 4];
 
-    __device__ __forceinline__ void load(const uint8_t* row, int kt, int t) {
+    __device__ __forceinline__ void load(const uint8_t* row, int t) {
         if constexpr (kFourBit) {
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + kt * 32 + t * 8));
+            const uint2 v = *reinterpret_cast<const uint2*>(row + t * 8);
             w[0] = v.x, w[1] = v.y;
         } else {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + kt * 64 + t * 16));
+            const uint4 v = *reinterpret_cast<const uint4*>(row + t * 16);
             w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
         }
     }
@@ -98,67 +112,61 @@ struct RowCodes {
     }
 };
 
+// exact e4m3 decode, as in the dequantize kernels
+__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
+    const uint32_t em = byte & 0x7fu;
+    const float magnitude = __uint_as_float(em << 20) * 0x1p120f;
+    const float v = (byte & 0x80u) ? -magnitude : magnitude;
+    return em == 0x7fu ? __uint_as_float(0x7fc00000u) : v;
+}
+
+// Scale of lane t's 16 values from the row's 16 staged scale bytes: one fp32
+// for blocks >= 64, one of 2 or 4 for blocks of 32 or 16; nvfp4: e4m3 byte t.
 template <Format F>
-__device__ __forceinline__ float block_scale(const FusedArgs& a, int64_t first_value) {
-    const int64_t slot = first_value >> a.block_shift;
+__device__ __forceinline__ float staged_scale(const uint8_t* row, int t, int block_shift, float global) {
     if constexpr (F == Format::nvfp4) {
-        const uint32_t byte = __ldg(static_cast<const uint8_t*>(a.scales) + slot);
-        const uint32_t em = byte & 0x7fu;  // exact e4m3 decode, as in the dequantize kernels
-        const float magnitude = __uint_as_float(em << 20) * 0x1p120f;
-        const float v = (byte & 0x80u) ? -magnitude : magnitude;
-        return (em == 0x7fu ? __uint_as_float(0x7fc00000u) : v) * __ldg(a.global_scale);
+        return e4m3_to_float(row[t]) * global;
     } else {
-        return __ldg(static_cast<const float*>(a.scales) + slot);
+        const int slot = block_shift >= 6 ? 0 : (16 * t) >> block_shift;
+        return reinterpret_cast<const float*>(row)[slot];
     }
 }
 
-// The two rows (g and g + 8 of the warp's 16) one thread decodes.
+// Producer side of the scales: the bytes covering one row's 64 values of tile kt.
 template <Format F>
-struct ThreadRows {
-    const uint8_t* row[2];
-    int64_t first[2];  // flat index of the row's first value
-    RowCodes<F> codes[2];
-    float scale[2];
-
-    __device__ __forceinline__ void load(const FusedArgs& a, int kt, int t) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            codes[r].load(row[r], kt, t);
-            scale[r] = block_scale<F>(a, first[r] + kt * kTileK + 16 * t);
-        }
+__device__ __forceinline__ void stage_scales(uint8_t* dst, const FusedArgs& a, int64_t row_first_value, int kt) {
+    const int64_t first_block = (row_first_value + int64_t(kt) * kTileK) >> a.block_shift;
+    const uint32_t d = smem_addr(dst);
+    if constexpr (F == Format::nvfp4) {
+        cp_async(d, a.scales + first_block, 4);
+    } else {
+        const int count = a.block_shift >= 6 ? 1 : kTileK >> a.block_shift;  // 1, 2 or 4 floats
+        cp_async(d, a.scales + first_block * 4, 4 * count);
     }
-
-    // Fragments of the four k16 steps: {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
-    __device__ __forceinline__ void decode(uint32_t (&frag)[4][4], const float* table) const {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                frag[s][2 * h] = codes[0].pair(2 * s + h, scale[0], table);
-                frag[s][2 * h + 1] = codes[1].pair(2 * s + h, scale[1], table);
-            }
-        }
-    }
-};
+}
 
 template <Format F, int BM>
 __global__ void __launch_bounds__(kFusedThreads, 1)
-    fused_linear_kernel(const __grid_constant__ CUtensorMap x_map, const FusedArgs a) {
+    fused_linear_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap code_map,
+                        const FusedArgs a) {
 #if defined(TS_SM90A_DEVICE)
+    using L = StageLayout<F, BM>;
     extern __shared__ uint8_t smem_raw[];
-    constexpr int kStageBytes = BM * kTileK * 2;
     // The 128-byte swizzle pattern repeats every 1024 bytes: stages start on that boundary.
     uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
+    uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * L::kBytes);
     uint64_t* empty = full + kStages;
     float* table = reinterpret_cast<float*>(empty + kStages);
+    auto x_tile = [&](int s) { return stages + s * L::kBytes; };
+    auto code_tile = [&](int s) { return stages + s * L::kBytes + L::kXBytes; };
+    auto scale_tile = [&](int s) { return stages + s * L::kBytes + L::kXBytes + L::kCodeBytes; };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int tile_n = blockIdx.x * kTileN, tile_m = blockIdx.y * BM;
     const int k_tiles = a.k / kTileK;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(&full[s], 1);
+            mbar_init(&full[s], 1 + kTileN);  // the TMA issuer's arrival + one cp.async arrival per row
             mbar_init(&empty[s], kConsumerWarps);
         }
         mbar_fence_init();
@@ -166,55 +174,75 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     if (threadIdx.x < 16) table[threadIdx.x] = F == Format::nvfp4 ? kFusedE2m1[threadIdx.x] : kFusedNf4[threadIdx.x];
     __syncthreads();
 
-    if (warp >= kConsumerWarps) {  // producer warpgroup: one lane streams x tiles
+    if (warp >= kConsumerWarps) {  // producer warpgroup: lane 0 issues the TMA, every thread one row's scales
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-        if (warp == kConsumerWarps && lane == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % kStages;
-                if (kt >= kStages) mbar_wait(&empty[s], ((kt / kStages) - 1) & 1);
-                mbar_arrive_expect_bytes(&full[s], kStageBytes);
-                tma_load_2d(stages + s * kStageBytes, &x_map, &full[s], kt * kTileK, tile_m);
+        const int p = threadIdx.x - 32 * kConsumerWarps;
+        const int row = tile_n + p;
+        const int64_t row_first_value = int64_t(row) * a.k;
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int s = kt % kStages;
+            if (kt >= kStages) mbar_wait(&empty[s], ((kt / kStages) - 1) & 1);
+            if (p == 0) {
+                mbar_arrive_expect_bytes(&full[s], L::kXBytes + L::kCodeBytes);
+                tma_load_2d(x_tile(s), &x_map, &full[s], kt * kTileK, tile_m);
+                tma_load_2d(code_tile(s), &code_map, &full[s], kt * L::kCodeRowBytes, tile_n);
             }
+            if (row < a.n) stage_scales<F>(scale_tile(s) + p * L::kScaleRowBytes, a, row_first_value, kt);
+            cp_async_arrive_noinc(&full[s]);  // arrives once this thread's copies land
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
     const int group = warp / 4, g = lane / 4, t = lane % 4;
-    const int row0 = tile_n + group * 64 + (warp % 4) * 16 + g;
-    ThreadRows<F> rows;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int n_row = min(row0 + 8 * r, a.n - 1);  // rows past n decode row n-1; never stored
-        rows.first[r] = int64_t(n_row) * a.k;
-        rows.row[r] = a.codes + (F == Format::int8 ? rows.first[r] : rows.first[r] / 2);
-    }
+    const int local0 = group * 64 + (warp % 4) * 16 + g;  // rows local0 and local0 + 8 of the CTA tile
+    const int row0 = tile_n + local0;
+    const float global = F == Format::nvfp4 ? __ldg(a.global_scale) : 0.0f;
 
     float acc[BM / 2];
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
     uint32_t frag[2][4][4];
-    rows.load(a, 0, t);
-    rows.decode(frag[0], table);
-    if (k_tiles > 1) rows.load(a, 1, t);
 
-    // One k tile: wait for x, issue 4 wgmmas from fragment buffer B, then
-    // decode the next tile into the other buffer while they run.
-    auto step = [&](int kt, uint32_t(&use)[4][4], uint32_t(&next)[4][4]) {
+    // Fragments of the four k16 steps of tile kt (whose stage is full):
+    // {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
+    auto decode = [&](int kt, uint32_t(&out)[4][4]) {
         const int s = kt % kStages;
-        mbar_wait(&full[s], (kt / kStages) & 1);
-        const uint64_t desc = kmajor_sw128_desc(stages + s * kStageBytes);
+        RowCodes<F> codes[2];
+        float scale[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            codes[r].load(code_tile(s) + (local0 + 8 * r) * L::kCodeRowBytes, t);
+            scale[r] = staged_scale<F>(scale_tile(s) + (local0 + 8 * r) * L::kScaleRowBytes, t, a.block_shift, global);
+        }
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                out[ks][2 * h] = codes[0].pair(2 * ks + h, scale[0], table);
+                out[ks][2 * h + 1] = codes[1].pair(2 * ks + h, scale[1], table);
+            }
+        }
+    };
+
+    // One k tile: 4 wgmmas from fragment buffer `use`; once tile kt-1 is done,
+    // its stage goes back to the producer, and tile kt+1 is decoded into
+    // `next` while the tensor cores work on kt.
+    auto step = [&](int kt, uint32_t(&use)[4][4], uint32_t(&next)[4][4]) {
+        const uint64_t desc = kmajor_sw128_desc(x_tile(kt % kStages));
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs<BM>(acc, use[ks], desc + 2 * ks);  // +32 bytes per k16
         wgmma_commit();
-        wgmma_wait<1>();  // tile kt-1 is done: its x stage and fragment buffer are free
+        wgmma_wait<1>();
         if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kStages]);
         if (kt + 1 < k_tiles) {
-            rows.decode(next, table);
-            if (kt + 2 < k_tiles) rows.load(a, kt + 2, t);
+            mbar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
+            decode(kt + 1, next);
         }
     };
+    mbar_wait(&full[0], 0);
+    decode(0, frag[0]);
     int kt = 0;
     for (; kt + 1 < k_tiles; kt += 2) {
         step(kt, frag[0], frag[1]);
@@ -271,36 +299,45 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-CUtensorMap x_tensor_map(const void* x_perm, int m, int k, int box_rows) {
+CUtensorMap tensor_map_2d(CUtensorMapDataType type, const void* base, int64_t inner, int64_t outer,
+                          int64_t row_bytes, int box_inner, int box_outer, CUtensorMapSwizzle swizzle) {
     CUtensorMap map;
-    const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(m)};
-    const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
-    const cuuint32_t box[2] = {cuuint32_t(kTileK), cuuint32_t(box_rows)};
+    const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
+    const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
+    const cuuint32_t box[2] = {cuuint32_t(box_inner), cuuint32_t(box_outer)};
     const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x_perm), dims,
-                                            strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // rows past m read as zeros
+    // Boxes past the tensor's edge (rows past m or n) read as zeros.
+    const CUresult r = tensor_map_encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box,
+                                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) ts::throw_runtime_error("fused linear: cuTensorMapEncodeTiled failed with error ", int(r));
     return map;
 }
 
 template <Format F, int BM>
-void launch(const CUtensorMap& map, const FusedArgs& a, cudaStream_t stream) {
-    const size_t smem = 1024 + size_t(kStages) * BM * kTileK * 2 + 2 * kStages * sizeof(uint64_t) + 16 * sizeof(float);
+void launch(const void* x_perm, const uint8_t* codes, const FusedArgs& a, cudaStream_t stream) {
+    using L = StageLayout<F, BM>;
+    const CUtensorMap x_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, x_perm, a.k, a.m, int64_t(a.k) * 2,
+                                            kTileK, BM, CU_TENSOR_MAP_SWIZZLE_128B);
+    const int64_t row_bytes = int64_t(a.k) * L::kCodeRowBytes / kTileK;
+    const CUtensorMap code_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, codes, row_bytes, a.n, row_bytes,
+                                               L::kCodeRowBytes, kTileN, CU_TENSOR_MAP_SWIZZLE_NONE);
     auto kernel = fused_linear_kernel<F, BM>;
-    TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::kSmem)));
     const dim3 grid((a.n + kTileN - 1) / kTileN, (a.m + BM - 1) / BM);
-    kernel<<<grid, kFusedThreads, smem, stream>>>(map, a);
+    kernel<<<grid, kFusedThreads, L::kSmem, stream>>>(x_map, code_map, a);
     TS_CUDA_CHECK_LAUNCH();
 }
 
 template <Format F>
-void launch_format(const void* x_perm, const FusedArgs& a, cudaStream_t stream) {
-    // The widest tile that the rows fill: less padding for small batches.
-    if (a.m <= 64) return launch<F, 64>(x_tensor_map(x_perm, a.m, a.k, 64), a, stream);
-    if (a.m <= 128) return launch<F, 128>(x_tensor_map(x_perm, a.m, a.k, 128), a, stream);
-    launch<F, 256>(x_tensor_map(x_perm, a.m, a.k, 256), a, stream);
+void launch_format(const void* x_perm, const uint8_t* codes, const FusedArgs& a, int tile_m, cudaStream_t stream) {
+    if (tile_m == 0) tile_m = a.m <= 64 ? 64 : (a.m <= 128 ? 128 : 256);  // the widest tile the rows fill
+    switch (tile_m) {
+        case 64: return launch<F, 64>(x_perm, codes, a, stream);
+        case 128: return launch<F, 128>(x_perm, codes, a, stream);
+        case 256: return launch<F, 256>(x_perm, codes, a, stream);
+        default: ts::throw_value_error("fused linear: tile_m must be 0 (auto), 64, 128 or 256, got ", tile_m);
+    }
 }
 
 }  // namespace
@@ -315,7 +352,7 @@ bool fused_linear_supported(int device) {
 
 void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, int64_t k, const uint8_t* codes,
                        const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int device, uintptr_t stream) {
+                       void* out, int tile_m, int device, uintptr_t stream) {
     TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
     TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
     TS_CHECK_ARG(block >= 16 && (block & (block - 1)) == 0, "fused linear: block size must be a power of two >= 16");
@@ -330,12 +367,12 @@ void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, in
     TS_CUDA_CHECK_LAUNCH();
     int shift = 0;
     while ((int64_t(1) << shift) < block) ++shift;
-    const FusedArgs a{codes, scales, global_scale, static_cast<const __nv_bfloat16*>(bias),
+    const FusedArgs a{static_cast<const uint8_t*>(scales), global_scale, static_cast<const __nv_bfloat16*>(bias),
                       static_cast<__nv_bfloat16*>(out), int(m), int(n), int(k), shift};
     switch (format) {
-        case Format::int8: return launch_format<Format::int8>(x_perm, a, s);
-        case Format::nf4: return launch_format<Format::nf4>(x_perm, a, s);
-        case Format::nvfp4: return launch_format<Format::nvfp4>(x_perm, a, s);
+        case Format::int8: return launch_format<Format::int8>(x_perm, codes, a, tile_m, s);
+        case Format::nf4: return launch_format<Format::nf4>(x_perm, codes, a, tile_m, s);
+        case Format::nvfp4: return launch_format<Format::nvfp4>(x_perm, codes, a, tile_m, s);
         default: break;
     }
 }

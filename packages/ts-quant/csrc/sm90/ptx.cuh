@@ -58,6 +58,23 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, u
         : "memory");
 }
 
+// ---- cp.async (4, 8 or 16 bytes) completing on an mbarrier ---------------------
+
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int bytes) {
+    if (bytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    else if (bytes == 8)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// One arrival on `bar` once this thread's earlier cp.async copies have landed
+// (.noinc: the barrier's expected count already includes it).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // ---- wgmma ------------------------------------------------------------------
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -41,13 +41,16 @@ def fused_linear_reason(x2d: torch.Tensor, q: QuantizedTensor) -> str | None:
         return f"block_size={block} is not a power of two >= 16"
     if not _device_available(x2d.device):
         return "needs compute capability 9.0 and a build with sm_90 in TS_CUDA_ARCHITECTURES"
-    if q.data.data_ptr() % 16:
-        return "the codes are not 16-byte aligned"
+    if q.data.data_ptr() % 16 or (not q.double_quant and q.scales.data_ptr() % 16):
+        return "the codes or scales are not 16-byte aligned"
     return None
 
 
-def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d @ q.dequantize(bf16)^T + bias in one kernel (plus the x permutation); x2d bf16 [m, k] on an sm_90 GPU."""
+def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, tile_m: int = 0) -> torch.Tensor:
+    """x2d @ q.dequantize(bf16)^T + bias in one kernel (plus the x permutation); x2d bf16 [m, k] on an sm_90 GPU.
+
+    tile_m: rows of x per thread block (64, 128 or 256); 0 picks the widest one m fills.
+    """
     m = x2d.shape[0]
     n = q.shape[0]
     x2d = x2d.contiguous()
@@ -60,5 +63,5 @@ def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | Non
         scales = scales.view(torch.uint8)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     _core.fused_linear(FORMAT_IDS[q.format], x2d, x_perm, q.data, scales, q.global_scale, q.block_size, n,
-                       None if bias is None else bias.detach(), out, stream)
+                       None if bias is None else bias.detach(), out, stream, tile_m)
     return out
