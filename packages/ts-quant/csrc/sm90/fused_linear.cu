@@ -18,8 +18,9 @@
 //   logical column 16s + 8h + 2t + e  <-  stored column 16t + 4s + 2h + e.
 //
 // CTA: two consumer warpgroups (64 weight rows each) and one producer
-// warpgroup, one lane of which streams 64-column tiles of the permuted x
-// through a kStages ring.
+// warpgroup: one lane streams 64-column tiles of the permuted x and the
+// codes by TMA, every lane one row's scales by cp.async, through a ring of
+// as many stages as shared memory holds.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
@@ -36,7 +37,7 @@ namespace {
 using namespace sm90;
 
 constexpr int kTileK = 64;
-constexpr int kStages = 4;
+constexpr int kMaxSmem = 227 * 1024;  // dynamic shared memory one block may have on sm_90
 constexpr int kConsumerGroups = 2;
 constexpr int kTileN = 64 * kConsumerGroups;                 // weight rows per CTA
 constexpr int kConsumerWarps = 4 * kConsumerGroups;
@@ -74,7 +75,17 @@ struct StageLayout {
     static constexpr int kScaleBytes = kTileN * kScaleRowBytes;
     static constexpr int kBytes = kXBytes + kCodeBytes + kScaleBytes;  // a multiple of 1024
     static_assert(kBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the swizzled x tile");
+    // As many stages as fit (at most 12): a stage is refilled two tiles after
+    // it was consumed, so the loads have (stages - 2) tiles of time to land,
+    // which is what short tiles (small m) need to stay busy.
+    static constexpr int kFixed = 1024 + 2 * 12 * sizeof(uint64_t) + 16 * sizeof(float);
+    static constexpr int kStages = (kMaxSmem - kFixed) / kBytes < 12 ? (kMaxSmem - kFixed) / kBytes : 12;
+    static_assert(kStages >= 3, "a stage is too large for the pipeline");
     static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + 2 * kStages * sizeof(uint64_t) + 16 * sizeof(float);
+    // Output tile [BM][kTileN] bf16 staged for 16-byte stores, rows padded by
+    // 16 bytes against bank conflicts; it reuses the (drained) stages.
+    static constexpr int kOutRowBytes = kTileN * 2 + 16;
+    static_assert(BM * kOutRowBytes <= kStages * kBytes, "the output tile must fit in the stages");
 };
 
 // One thread's codes for one row and one 64-wide k tile: values 16t..16t+15.
@@ -151,6 +162,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
                         const FusedArgs a) {
 #if defined(TS_SM90A_DEVICE)
     using L = StageLayout<F, BM>;
+    constexpr int kStages = L::kStages;
     extern __shared__ uint8_t smem_raw[];
     // The 128-byte swizzle pattern repeats every 1024 bytes: stages start on that boundary.
     uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -252,15 +264,33 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     wgmma_wait<0>();
     fence_registers(acc);
 
-    // Accumulator i holds y^T[row g (+8 if bit 1 of i)][col 8 * (i / 4) + 2t + (i & 1)].
+    // Accumulator i holds y^T[row g (+8 if bit 1 of i)][col 8 * (i / 4) + 2t + (i & 1)]: write it
+    // transposed into a shared [BM][128] tile, then store whole 16-byte row pieces.
     const float bias0 = a.bias && row0 < a.n ? __bfloat162float(a.bias[row0]) : 0.0f;
     const float bias1 = a.bias && row0 + 8 < a.n ? __bfloat162float(a.bias[row0 + 8]) : 0.0f;
+    uint8_t* out_tile = stages;  // the producer is done; wait until both warpgroups' wgmmas are
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumerWarps) : "memory");
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) {
-        const int n_row = row0 + 8 * ((i >> 1) & 1);
-        const int m_row = tile_m + 8 * (i >> 2) + 2 * t + (i & 1);
-        if (n_row < a.n && m_row < a.m)
-            a.out[int64_t(m_row) * a.n + n_row] = __float2bfloat16_rn(acc[i] + (((i >> 1) & 1) ? bias1 : bias0));
+        const int n_local = local0 + 8 * ((i >> 1) & 1);
+        const int m_local = 8 * (i >> 2) + 2 * t + (i & 1);
+        *reinterpret_cast<__nv_bfloat16*>(out_tile + m_local * L::kOutRowBytes + n_local * 2) =
+            __float2bfloat16_rn(acc[i] + (((i >> 1) & 1) ? bias1 : bias0));
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumerWarps) : "memory");
+    constexpr int kPieces = kTileN / 8;  // 16-byte pieces per output row
+    const bool vector_rows = a.n % 8 == 0;
+    for (int idx = threadIdx.x; idx < BM * kPieces; idx += 32 * kConsumerWarps) {
+        const int m_local = idx / kPieces, n_local = (idx % kPieces) * 8;
+        const int m_row = tile_m + m_local, n_col = tile_n + n_local;
+        if (m_row >= a.m || n_col >= a.n) continue;
+        const uint8_t* src = out_tile + m_local * L::kOutRowBytes + n_local * 2;
+        __nv_bfloat16* dst = a.out + int64_t(m_row) * a.n + n_col;
+        if (vector_rows && n_col + 8 <= a.n) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 8 && n_col + e < a.n; ++e) dst[e] = reinterpret_cast<const __nv_bfloat16*>(src)[e];
+        }
     }
 #endif
 }
