@@ -65,11 +65,12 @@ struct FusedArgs {
 
 // Shared memory of one pipeline stage: the x tile (TMA, 128-byte swizzle),
 // the weight codes of the CTA's 128 rows (TMA, plain rows) and their scales
-// (cp.async by the producer warpgroup, 16 bytes a row).
+// (cp.async by the producer warpgroup, 8 bytes a row: one or two fp32
+// block scales, or four e4m3 NVFP4 scales).
 template <Format F, int BM>
 struct StageLayout {
     static constexpr int kCodeRowBytes = F == Format::int8 ? kTileK : kTileK / 2;
-    static constexpr int kScaleRowBytes = 16;
+    static constexpr int kScaleRowBytes = 8;
     static constexpr int kXBytes = BM * kTileK * 2;
     static constexpr int kCodeBytes = kTileN * kCodeRowBytes;
     static constexpr int kScaleBytes = kTileN * kScaleRowBytes;
@@ -131,8 +132,8 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
     return em == 0x7fu ? __uint_as_float(0x7fc00000u) : v;
 }
 
-// Scale of lane t's 16 values from the row's 16 staged scale bytes: one fp32
-// for blocks >= 64, one of 2 or 4 for blocks of 32 or 16; nvfp4: e4m3 byte t.
+// Scale of lane t's 16 values from the row's staged scale bytes: one fp32 for
+// blocks >= 64, one of two for blocks of 32; nvfp4: e4m3 byte t.
 template <Format F>
 __device__ __forceinline__ float staged_scale(const uint8_t* row, int t, int block_shift, float global) {
     if constexpr (F == Format::nvfp4) {
@@ -151,7 +152,7 @@ __device__ __forceinline__ void stage_scales(uint8_t* dst, const FusedArgs& a, i
     if constexpr (F == Format::nvfp4) {
         cp_async(d, a.scales + first_block, 4);
     } else {
-        const int count = a.block_shift >= 6 ? 1 : kTileK >> a.block_shift;  // 1, 2 or 4 floats
+        const int count = a.block_shift >= 6 ? 1 : 2;  // blocks >= 64, or of 32
         cp_async(d, a.scales + first_block * 4, 4 * count);
     }
 }
@@ -214,7 +215,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     float acc[BM / 2];
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
-    uint32_t frag[2][4][4];
 
     // Fragments of the four k16 steps of tile kt (whose stage is full):
     // {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
@@ -237,30 +237,33 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
         }
     };
 
-    // One k tile: 4 wgmmas from fragment buffer `use`; once tile kt-1 is done,
-    // its stage goes back to the producer, and tile kt+1 is decoded into
-    // `next` while the tensor cores work on kt.
+    // One k tile: 4 wgmmas from fragment buffer `use`. Two tiles of wgmmas stay
+    // in flight; once tile kt-2 is done its stage goes back to the producer
+    // and its fragment buffer takes tile kt+1, decoded while kt-1 and kt run.
     auto step = [&](int kt, uint32_t(&use)[4][4], uint32_t(&next)[4][4]) {
         const uint64_t desc = kmajor_sw128_desc(x_tile(kt % kStages));
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs<BM>(acc, use[ks], desc + 2 * ks);  // +32 bytes per k16
         wgmma_commit();
-        wgmma_wait<1>();
-        if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % kStages]);
+        wgmma_wait<2>();
+        if (kt >= 2 && lane == 0) mbar_arrive(&empty[(kt - 2) % kStages]);
         if (kt + 1 < k_tiles) {
             mbar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
             decode(kt + 1, next);
         }
     };
+    uint32_t frag[3][4][4];  // fragment buffer of tile kt: frag[kt % 3]
     mbar_wait(&full[0], 0);
     decode(0, frag[0]);
     int kt = 0;
-    for (; kt + 1 < k_tiles; kt += 2) {
+    for (; kt + 2 < k_tiles; kt += 3) {
         step(kt, frag[0], frag[1]);
-        step(kt + 1, frag[1], frag[0]);
+        step(kt + 1, frag[1], frag[2]);
+        step(kt + 2, frag[2], frag[0]);
     }
     if (kt < k_tiles) step(kt, frag[0], frag[1]);
+    if (kt + 1 < k_tiles) step(kt + 1, frag[1], frag[2]);
     wgmma_wait<0>();
     fence_registers(acc);
 
@@ -385,7 +388,8 @@ void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, in
                        void* out, int tile_m, int device, uintptr_t stream) {
     TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
     TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
-    TS_CHECK_ARG(block >= 16 && (block & (block - 1)) == 0, "fused linear: block size must be a power of two >= 16");
+    TS_CHECK_ARG((block & (block - 1)) == 0 && (format == Format::nvfp4 ? block == 16 : block >= 32),
+                 "fused linear: int8 and nf4 blocks must be a power of two >= 32 (nvfp4: 16), got ", block);
     TS_CHECK_ARG(m >= 0 && n > 0 && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
                  "fused linear: sizes out of range");
     if (m == 0) return;

@@ -37,8 +37,8 @@ def fused_linear_reason(x2d: torch.Tensor, q: QuantizedTensor) -> str | None:
         return f"x is {x2d.dtype}, the fused kernel takes bfloat16"
     if k % 64:
         return f"in_features={k} is not a multiple of 64"
-    if block < 16 or block & (block - 1):
-        return f"block_size={block} is not a power of two >= 16"
+    if block & (block - 1) or (q.format != "nvfp4" and block < 32):
+        return f"block_size={block} is not a power of two >= 32"
     if not _device_available(x2d.device):
         return "needs compute capability 9.0 and a build with sm_90 in TS_CUDA_ARCHITECTURES"
     if q.data.data_ptr() % 16 or (not q.double_quant and q.scales.data_ptr() % 16):
