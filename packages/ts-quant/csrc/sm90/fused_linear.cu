@@ -216,60 +216,46 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
 
-    // The staged codes and scales of tile kt (whose stage is full) for rows local0 and local0 + 8.
-    struct TileCodes {
+    // Fragments of the four k16 steps of tile kt (whose stage is full):
+    // {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
+    auto decode = [&](int kt, uint32_t(&out)[4][4]) {
+        const int s = kt % kStages;
         RowCodes<F> codes[2];
         float scale[2];
-    };
-    auto load_tile = [&](int kt) {
-        const int s = kt % kStages;
-        TileCodes c;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            c.codes[r].load(code_tile(s) + (local0 + 8 * r) * L::kCodeRowBytes, t);
-            c.scale[r] = staged_scale<F>(scale_tile(s) + (local0 + 8 * r) * L::kScaleRowBytes, t, a.block_shift, global);
+            codes[r].load(code_tile(s) + (local0 + 8 * r) * L::kCodeRowBytes, t);
+            scale[r] = staged_scale<F>(scale_tile(s) + (local0 + 8 * r) * L::kScaleRowBytes, t, a.block_shift, global);
         }
-        return c;
-    };
-    // Fragment of k16 step ks: {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
-    auto decode_step = [&](const TileCodes& c, int ks, uint32_t(&out)[4]) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            out[2 * h] = c.codes[0].pair(2 * ks + h, c.scale[0], table);
-            out[2 * h + 1] = c.codes[1].pair(2 * ks + h, c.scale[1], table);
+        for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                out[ks][2 * h] = codes[0].pair(2 * ks + h, scale[0], table);
+                out[ks][2 * h + 1] = codes[1].pair(2 * ks + h, scale[1], table);
+            }
         }
     };
 
-    // One k tile: 4 wgmmas from fragment buffer `use`, with a quarter of tile
-    // kt+1 decoded into `next` after each: an RS wgmma holds its warp until
-    // the tensor cores read its registers, so the decoding fills those waits.
-    // Tiles kt-1 and kt may be in flight; kt-2 is done, so its stage goes back
-    // to the producer and its fragment buffer is `next`.
+    // One k tile: 4 wgmmas from fragment buffer `use`. Two tiles of wgmmas stay
+    // in flight; once tile kt-2 is done its stage goes back to the producer
+    // and its fragment buffer takes tile kt+1, decoded while kt-1 and kt run.
     auto step = [&](int kt, uint32_t(&use)[4][4], uint32_t(&next)[4][4]) {
-        wgmma_wait<1>();
-        if (kt >= 2 && lane == 0) mbar_arrive(&empty[(kt - 2) % kStages]);
-        const bool more = kt + 1 < k_tiles;
-        TileCodes c;
-        if (more) {
-            mbar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
-            c = load_tile(kt + 1);
-        }
         const uint64_t desc = kmajor_sw128_desc(x_tile(kt % kStages));
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            wgmma_bf16_rs<BM>(acc, use[ks], desc + 2 * ks);  // +32 bytes per k16
-            if (more) decode_step(c, ks, next[ks]);
-        }
+        for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs<BM>(acc, use[ks], desc + 2 * ks);  // +32 bytes per k16
         wgmma_commit();
+        wgmma_wait<2>();
+        if (kt >= 2 && lane == 0) mbar_arrive(&empty[(kt - 2) % kStages]);
+        if (kt + 1 < k_tiles) {
+            mbar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
+            decode(kt + 1, next);
+        }
     };
     uint32_t frag[3][4][4];  // fragment buffer of tile kt: frag[kt % 3]
     mbar_wait(&full[0], 0);
-    {
-        const TileCodes c = load_tile(0);
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) decode_step(c, ks, frag[0][ks]);
-    }
+    decode(0, frag[0]);
     int kt = 0;
     for (; kt + 2 < k_tiles; kt += 3) {
         step(kt, frag[0], frag[1]);
