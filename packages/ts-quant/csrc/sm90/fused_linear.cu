@@ -82,7 +82,7 @@ struct StageLayout {
     static constexpr int kFixed = 1024 + 2 * 12 * sizeof(uint64_t) + 16 * sizeof(float);
     static constexpr int kStages = (kMaxSmem - kFixed) / kBytes < 12 ? (kMaxSmem - kFixed) / kBytes : 12;
     static_assert(kStages >= 3, "a stage is too large for the pipeline");
-    static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + 2 * kStages * sizeof(uint64_t) + 16 * sizeof(float);
+    static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + 2 * kStages * sizeof(uint64_t);
     // Output tile [BM][kTileN] bf16 staged for 16-byte stores, rows padded by
     // 16 bytes against bank conflicts; it reuses the (drained) stages.
     static constexpr int kOutRowBytes = kTileN * 2 + 16;
@@ -165,11 +165,13 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     using L = StageLayout<F, BM>;
     constexpr int kStages = L::kStages;
     extern __shared__ uint8_t smem_raw[];
-    // The 128-byte swizzle pattern repeats every 1024 bytes: stages start on that boundary.
-    uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    __shared__ float table[16];  // a static array: its loads compile to LDS with a constant address
+    // The 128-byte swizzle pattern repeats every 1024 bytes: stages start on that boundary. Offsetting
+    // smem_raw itself (not a cast integer) keeps every derived pointer known to be shared memory, so
+    // the decode reads are LDS rather than generic 64-bit loads.
+    uint8_t* stages = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * L::kBytes);
     uint64_t* empty = full + kStages;
-    float* table = reinterpret_cast<float*>(empty + kStages);
     auto x_tile = [&](int s) { return stages + s * L::kBytes; };
     auto code_tile = [&](int s) { return stages + s * L::kBytes + L::kXBytes; };
     auto scale_tile = [&](int s) { return stages + s * L::kBytes + L::kXBytes + L::kCodeBytes; };
