@@ -136,7 +136,8 @@ bool fused_linear_available(int device) {
 // out [m, n] = x [m, k] @ dequantize(W [n, k])^T (+ bias) on Hopper, without a bf16 copy of W.
 void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyArray scales,
                   std::optional<FloatArray> global, int64_t block, int64_t n, std::optional<AnyArray> bias,
-                  AnyArray out, uintptr_t stream, int tile_m) {
+                  AnyArray out, FloatArray workspace, nb::ndarray<int32_t, nb::c_contig> flags, uintptr_t stream,
+                  int tile_m) {
     TS_CHECK_ARG(format == int(Format::int8) || format == int(Format::nf4) || format == int(Format::nvfp4),
                  "fused_linear: format must be int8, nf4 or nvfp4");
     TS_CHECK_ARG(x.ndim() == 2 && x_perm.ndim() == 2 && out.ndim() == 2, "fused_linear: x, x_perm and out must be 2-D");
@@ -163,12 +164,19 @@ void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyA
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     TS_CHECK_ARG(aligned(x.data()) && aligned(x_perm.data()) && aligned(codes.data()) && aligned(scales.data()),
                  "fused_linear: x, x_perm, codes and scales must be 16-byte aligned");
+    TS_CHECK_ARG(on_device(workspace) && on_device(flags) && flags.size() >= 1, "fused_linear: workspace and flags "
+                                                                                "must be on x's device");
+    const int64_t slots = static_cast<int64_t>(flags.size());
+#ifdef TS_WITH_SM90A
+    TS_CHECK_ARG(workspace.size() >= size_t(slots * kFusedSlotFloats), "fused_linear: the workspace needs ",
+                 kFusedSlotFloats, " floats per flag");
+#endif
     TS_CHECK_ARG(fused_linear_available(device), "fused_linear: needs a compute capability 9.0 GPU and a build with "
                                                  "sm_90 in TS_CUDA_ARCHITECTURES");
 #ifdef TS_WITH_SM90A
     fused_linear_sm90(static_cast<Format>(format), x.data(), x_perm.data(), m, k, codes.data(), scales.data(),
                       global ? global->data() : nullptr, block, n, bias ? bias->data() : nullptr, out.data(), tile_m,
-                      device, stream);
+                      workspace.data(), flags.data(), slots, device, stream);
 #endif
 }
 
@@ -191,6 +199,7 @@ NB_MODULE(_core, m) {
           "Whether fused_linear runs on this CUDA device (compute capability 9.0 and an sm_90a build).");
     m.def("fused_linear", &fused_linear, nb::arg("format"), nb::arg("x"), nb::arg("x_perm").noconvert(),
           nb::arg("codes"), nb::arg("scales"), nb::arg("global_scale").none(), nb::arg("block"), nb::arg("n"),
-          nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
+          nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("workspace").noconvert(),
+          nb::arg("flags").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
           "out = x @ dequantize(W)^T (+ bias) on Hopper tensor cores, decoding int8/nf4/nvfp4 codes in registers.");
 }

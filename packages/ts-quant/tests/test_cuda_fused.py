@@ -53,6 +53,20 @@ def test_fused_matches_dequantize_then_matmul(fmt, m, n, k, block, double_quant,
     assert fused_error < 4e-3 and fused_error <= 1.5 * cublas_error + 1e-4, (fused_error, cublas_error)
 
 
+@pytest.mark.parametrize("m,tile_m", [(512, 256), (300, 128), (40, 64), (1000, 64)])
+def test_fused_split_tiles_sum_in_a_fixed_order(m, tile_m):
+    """Stream-K: tiles split between thread blocks give the same bits on every run, at every tile width."""
+    _needs_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    q = ts_quant.quantize(torch.randn(1408, 2048, device="cuda", generator=gen), "nf4")
+    x = torch.randn(m, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    first = _fused.fused_linear(x, q, None, tile_m)
+    for _ in range(3):
+        assert torch.equal(_fused.fused_linear(x, q, None, tile_m), first)
+    ref = x.double() @ q.dequantize(torch.bfloat16).double().t()
+    assert _relative_error(first, ref) < 4e-3
+
+
 def test_fused_writes_every_output_and_takes_strided_x():
     _needs_sm90()
     torch.manual_seed(1)

@@ -79,14 +79,15 @@ struct StageLayout {
     // As many stages as fit (at most 12): a stage is refilled two tiles after
     // it was consumed, so the loads have (stages - 2) tiles of time to land,
     // which is what short tiles (small m) need to stay busy.
-    static constexpr int kFixed = 1024 + 2 * 12 * sizeof(uint64_t) + 16 * sizeof(float);
+    // Output tile [BM][kTileN] bf16 staged for 16-byte stores, rows padded by
+    // 16 bytes against bank conflicts; its own space, as the producer is
+    // already filling stages for the next tile while it is stored.
+    static constexpr int kOutRowBytes = kTileN * 2 + 16;
+    static constexpr int kOutBytes = BM * kOutRowBytes;
+    static constexpr int kFixed = 1024 + kOutBytes + 2 * 12 * sizeof(uint64_t) + 16 * sizeof(float);
     static constexpr int kStages = (kMaxSmem - kFixed) / kBytes < 12 ? (kMaxSmem - kFixed) / kBytes : 12;
     static_assert(kStages >= 3, "a stage is too large for the pipeline");
-    static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + 2 * kStages * sizeof(uint64_t);
-    // Output tile [BM][kTileN] bf16 staged for 16-byte stores, rows padded by
-    // 16 bytes against bank conflicts; it reuses the (drained) stages.
-    static constexpr int kOutRowBytes = kTileN * 2 + 16;
-    static_assert(BM * kOutRowBytes <= kStages * kBytes, "the output tile must fit in the stages");
+    static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + kOutBytes + 2 * kStages * sizeof(uint64_t);
 };
 
 // One thread's codes for one row and one 64-wide k tile: values 16t..16t+15.
@@ -157,28 +158,50 @@ __device__ __forceinline__ void stage_scales(uint8_t* dst, const FusedArgs& a, i
     }
 }
 
+// Stream-K split of the work over a persistent grid: the (tile, k tile)
+// iterations, tile-major, are cut into `grid` equal ranges, one per CTA. A
+// tile is finished by the CTA that holds its k tile 0 (at the end of that
+// CTA's range, the last work it does); the CTAs holding the rest of the tile
+// (each at the start of its range) leave fp32 partial sums in their workspace
+// slot and raise their flag first, so nobody waits on work that comes later.
+// Every tile then sums the same partials in the same order: the result does
+// not depend on timing.
+struct Schedule {
+    int tiles_n, k_tiles, grid;
+    int64_t iterations;  // tiles * k_tiles
+    __device__ __forceinline__ int64_t begin(int cta) const { return int64_t(cta) * iterations / grid; }
+    __device__ __forceinline__ int owner(int64_t it) const { return int(((it + 1) * grid - 1) / iterations); }
+};
+
+struct Partials {
+    float* workspace;  // [grid][BM / 2][256] fp32: slot of each CTA, accumulator-major
+    int* flags;        // [grid], zeroed by the x permutation kernel before this launch
+};
+
 template <Format F, int BM>
 __global__ void __launch_bounds__(kFusedThreads, 1)
     fused_linear_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap code_map,
-                        const FusedArgs a) {
+                        const FusedArgs a, const Schedule sched, const Partials partials) {
 #if defined(TS_SM90A_DEVICE)
     using L = StageLayout<F, BM>;
     constexpr int kStages = L::kStages;
+    constexpr int kConsumers = 32 * kConsumerWarps;
     extern __shared__ uint8_t smem_raw[];
     __shared__ float table[16];  // a static array: its loads compile to LDS with a constant address
     // The 128-byte swizzle pattern repeats every 1024 bytes: stages start on that boundary. Offsetting
     // smem_raw itself (not a cast integer) keeps every derived pointer known to be shared memory, so
     // the decode reads are LDS rather than generic 64-bit loads.
     uint8_t* stages = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * L::kBytes);
+    uint8_t* out_tile = stages + kStages * L::kBytes;
+    uint64_t* full = reinterpret_cast<uint64_t*>(out_tile + L::kOutBytes);
     uint64_t* empty = full + kStages;
     auto x_tile = [&](int s) { return stages + s * L::kBytes; };
     auto code_tile = [&](int s) { return stages + s * L::kBytes + L::kXBytes; };
     auto scale_tile = [&](int s) { return stages + s * L::kBytes + L::kXBytes + L::kCodeBytes; };
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int tile_n = blockIdx.x * kTileN, tile_m = blockIdx.y * BM;
-    const int k_tiles = a.k / kTileK;
+    const int kt_count = sched.k_tiles;
+    const int64_t range_begin = sched.begin(blockIdx.x), range_end = sched.begin(blockIdx.x + 1);
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&full[s], 1 + kTileN);  // the TMA issuer's arrival + one cp.async arrival per row
@@ -189,21 +212,37 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     if (threadIdx.x < 16) table[threadIdx.x] = F == Format::nvfp4 ? kFusedE2m1[threadIdx.x] : kFusedNf4[threadIdx.x];
     __syncthreads();
 
+    // Segments of this CTA's range: tile, first and end k tile.
+    struct Segment {
+        int tile, kb, ke;
+    };
+    auto segment_at = [&](int64_t it) {
+        const int tile = int(it / kt_count), kb = int(it - int64_t(tile) * kt_count);
+        const int64_t left = range_end - it;
+        return Segment{tile, kb, int(left < kt_count - kb ? kb + left : kt_count)};
+    };
+
     if (warp >= kConsumerWarps) {  // producer warpgroup: lane 0 issues the TMA, every thread one row's scales
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-        const int p = threadIdx.x - 32 * kConsumerWarps;
-        const int row = tile_n + p;
-        const int64_t row_first_value = int64_t(row) * a.k;
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            const int s = kt % kStages;
-            if (kt >= kStages) mbar_wait(&empty[s], ((kt / kStages) - 1) & 1);
-            if (p == 0) {
-                mbar_arrive_expect_bytes(&full[s], L::kXBytes + L::kCodeBytes);
-                tma_load_2d(x_tile(s), &x_map, &full[s], kt * kTileK, tile_m);
-                tma_load_2d(code_tile(s), &code_map, &full[s], kt * L::kCodeRowBytes, tile_n);
+        const int p = threadIdx.x - kConsumers;
+        int j = 0;  // k tiles loaded so far: stage j % kStages, round j / kStages
+        for (int64_t it = range_begin; it < range_end;) {
+            const Segment seg = segment_at(it);
+            const int tile_n = (seg.tile % sched.tiles_n) * kTileN, tile_m = (seg.tile / sched.tiles_n) * BM;
+            const int row = tile_n + p;
+            const int64_t row_first_value = int64_t(row) * a.k;
+            for (int kt = seg.kb; kt < seg.ke; ++kt, ++j) {
+                const int s = j % kStages;
+                if (j >= kStages) mbar_wait(&empty[s], ((j / kStages) - 1) & 1);
+                if (p == 0) {
+                    mbar_arrive_expect_bytes(&full[s], L::kXBytes + L::kCodeBytes);
+                    tma_load_2d(x_tile(s), &x_map, &full[s], kt * kTileK, tile_m);
+                    tma_load_2d(code_tile(s), &code_map, &full[s], kt * L::kCodeRowBytes, tile_n);
+                }
+                if (row < a.n) stage_scales<F>(scale_tile(s) + p * L::kScaleRowBytes, a, row_first_value, kt);
+                cp_async_arrive_noinc(&full[s]);  // arrives once this thread's copies land
             }
-            if (row < a.n) stage_scales<F>(scale_tile(s) + p * L::kScaleRowBytes, a, row_first_value, kt);
-            cp_async_arrive_noinc(&full[s]);  // arrives once this thread's copies land
+            it += seg.ke - seg.kb;
         }
         return;
     }
@@ -211,17 +250,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
     const int group = warp / 4, g = lane / 4, t = lane % 4;
     const int local0 = group * 64 + (warp % 4) * 16 + g;  // rows local0 and local0 + 8 of the CTA tile
-    const int row0 = tile_n + local0;
     const float global = F == Format::nvfp4 ? __ldg(a.global_scale) : 0.0f;
+    auto consumers_sync = [] { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); };
 
     float acc[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
+    uint32_t frag[3][4][4];  // fragment buffer of the segment's i-th k tile: frag[i % 3]
+    int j0 = 0;              // k tiles consumed before this segment
 
-    // Fragments of the four k16 steps of tile kt (whose stage is full):
+    // Fragments of the four k16 steps of k tile kt, staged in stage s (full):
     // {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
-    auto decode = [&](int kt, uint32_t(&out)[4][4]) {
-        const int s = kt % kStages;
+    auto decode = [&](int s, uint32_t(&out)[4][4]) {
         RowCodes<F> codes[2];
         float scale[2];
 #pragma unroll
@@ -239,71 +277,109 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
         }
     };
 
-    // One k tile: 4 wgmmas from fragment buffer `use`. Two tiles of wgmmas stay
-    // in flight; once tile kt-2 is done its stage goes back to the producer
-    // and its fragment buffer takes tile kt+1, decoded while kt-1 and kt run.
-    auto step = [&](int kt, uint32_t(&use)[4][4], uint32_t(&next)[4][4]) {
-        const uint64_t desc = kmajor_sw128_desc(x_tile(kt % kStages));
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs<BM>(acc, use[ks], desc + 2 * ks);  // +32 bytes per k16
-        wgmma_commit();
-        wgmma_wait<2>();
-        if (kt >= 2 && lane == 0) mbar_arrive(&empty[(kt - 2) % kStages]);
-        if (kt + 1 < k_tiles) {
-            mbar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
-            decode(kt + 1, next);
-        }
-    };
-    uint32_t frag[3][4][4];  // fragment buffer of tile kt: frag[kt % 3]
-    mbar_wait(&full[0], 0);
-    decode(0, frag[0]);
-    int kt = 0;
-    for (; kt + 2 < k_tiles; kt += 3) {
-        step(kt, frag[0], frag[1]);
-        step(kt + 1, frag[1], frag[2]);
-        step(kt + 2, frag[2], frag[0]);
-    }
-    if (kt < k_tiles) step(kt, frag[0], frag[1]);
-    if (kt + 1 < k_tiles) step(kt + 1, frag[1], frag[2]);
-    wgmma_wait<0>();
-    fence_registers(acc);
+    for (int64_t it = range_begin; it < range_end;) {
+        const Segment seg = segment_at(it);
+        const int len = seg.ke - seg.kb;
+        const int tile_n = (seg.tile % sched.tiles_n) * kTileN, tile_m = (seg.tile / sched.tiles_n) * BM;
 
-    // Accumulator i holds y^T[row g (+8 if bit 1 of i)][col 8 * (i / 4) + 2t + (i & 1)]: write it
-    // transposed into a shared [BM][128] tile, then store whole 16-byte row pieces.
-    const float bias0 = a.bias && row0 < a.n ? __bfloat162float(a.bias[row0]) : 0.0f;
-    const float bias1 = a.bias && row0 + 8 < a.n ? __bfloat162float(a.bias[row0 + 8]) : 0.0f;
-    uint8_t* out_tile = stages;  // the producer is done; wait until both warpgroups' wgmmas are
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumerWarps) : "memory");
+        // One k tile (the segment's i-th, global j0 + i): 4 wgmmas from `use`. Two tiles of wgmmas stay
+        // in flight; once tile i-2 is done its stage goes back to the producer and its fragment buffer
+        // takes tile i+1, decoded while i-1 and i run.
+        auto step = [&](int i, uint32_t(&use)[4][4], uint32_t(&next)[4][4]) {
+            const int j = j0 + i;
+            const uint64_t desc = kmajor_sw128_desc(x_tile(j % kStages));
+            wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i) {
-        const int n_local = local0 + 8 * ((i >> 1) & 1);
-        const int m_local = 8 * (i >> 2) + 2 * t + (i & 1);
-        *reinterpret_cast<__nv_bfloat16*>(out_tile + m_local * L::kOutRowBytes + n_local * 2) =
-            __float2bfloat16_rn(acc[i] + (((i >> 1) & 1) ? bias1 : bias0));
-    }
-    asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumerWarps) : "memory");
-    constexpr int kPieces = kTileN / 8;  // 16-byte pieces per output row
-    const bool vector_rows = a.n % 8 == 0;
-    for (int idx = threadIdx.x; idx < BM * kPieces; idx += 32 * kConsumerWarps) {
-        const int m_local = idx / kPieces, n_local = (idx % kPieces) * 8;
-        const int m_row = tile_m + m_local, n_col = tile_n + n_local;
-        if (m_row >= a.m || n_col >= a.n) continue;
-        const uint8_t* src = out_tile + m_local * L::kOutRowBytes + n_local * 2;
-        __nv_bfloat16* dst = a.out + int64_t(m_row) * a.n + n_col;
-        if (vector_rows && n_col + 8 <= a.n) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int e = 0; e < 8 && n_col + e < a.n; ++e) dst[e] = reinterpret_cast<const __nv_bfloat16*>(src)[e];
+            for (int ks = 0; ks < 4; ++ks) wgmma_bf16_rs<BM>(acc, use[ks], desc + 2 * ks);  // +32 bytes per k16
+            wgmma_commit();
+            wgmma_wait<2>();
+            if (i >= 2 && lane == 0) mbar_arrive(&empty[(j - 2) % kStages]);
+            if (i + 1 < len) {
+                mbar_wait(&full[(j + 1) % kStages], ((j + 1) / kStages) & 1);
+                decode((j + 1) % kStages, next);
+            }
+        };
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
+        mbar_wait(&full[j0 % kStages], (j0 / kStages) & 1);
+        decode(j0 % kStages, frag[0]);
+        int i = 0;
+        for (; i + 2 < len; i += 3) {
+            step(i, frag[0], frag[1]);
+            step(i + 1, frag[1], frag[2]);
+            step(i + 2, frag[2], frag[0]);
+        }
+        if (i < len) step(i, frag[0], frag[1]);
+        if (i + 1 < len) step(i + 1, frag[1], frag[2]);
+        wgmma_wait<0>();
+        fence_registers(acc);
+        if (lane == 0)  // the last two stages of the segment were not handed back by step()
+            for (int r = len > 2 ? len - 2 : 0; r < len; ++r) mbar_arrive(&empty[(j0 + r) % kStages]);
+        j0 += len;
+        it += len;
+
+        // Accumulator e holds y^T[row g (+8 if bit 1 of e)][col 8 * (e / 4) + 2t + (e & 1)].
+        float* slot = partials.workspace + size_t(blockIdx.x) * (BM / 2) * kConsumers + threadIdx.x;
+        if (seg.kb > 0) {  // not the tile's k tile 0: leave the partial sum for the finishing CTA
+#pragma unroll
+            for (int e = 0; e < BM / 2; ++e) __stcg(slot + e * kConsumers, acc[e]);
+            __threadfence();
+            consumers_sync();
+            if (threadIdx.x == 0) atomicExch(partials.flags + blockIdx.x, 1);
+            continue;
+        }
+        // Finishing CTA: add the partials of the CTAs that hold the rest of the tile, in k order.
+        for (int64_t rest = int64_t(seg.tile) * kt_count + seg.ke; rest < int64_t(seg.tile + 1) * kt_count;) {
+            const int cta = sched.owner(rest);
+            if (threadIdx.x == 0) {
+                while (atomicAdd(partials.flags + cta, 0) == 0) __nanosleep(256);
+                __threadfence();
+            }
+            consumers_sync();
+            const float* other = partials.workspace + size_t(cta) * (BM / 2) * kConsumers + threadIdx.x;
+#pragma unroll
+            for (int e = 0; e < BM / 2; ++e) acc[e] += __ldcg(other + e * kConsumers);
+            rest = sched.begin(cta + 1);
+        }
+
+        // Store: transpose through shared memory into [BM][128], then whole 16-byte row pieces.
+        const int row0 = tile_n + local0;
+        const float bias0 = a.bias && row0 < a.n ? __bfloat162float(a.bias[row0]) : 0.0f;
+        const float bias1 = a.bias && row0 + 8 < a.n ? __bfloat162float(a.bias[row0 + 8]) : 0.0f;
+        consumers_sync();  // the previous tile's pieces are all read
+#pragma unroll
+        for (int e = 0; e < BM / 2; ++e) {
+            const int n_local = local0 + 8 * ((e >> 1) & 1);
+            const int m_local = 8 * (e >> 2) + 2 * t + (e & 1);
+            *reinterpret_cast<__nv_bfloat16*>(out_tile + m_local * L::kOutRowBytes + n_local * 2) =
+                __float2bfloat16_rn(acc[e] + (((e >> 1) & 1) ? bias1 : bias0));
+        }
+        consumers_sync();
+        constexpr int kPieces = kTileN / 8;  // 16-byte pieces per output row
+        const bool vector_rows = a.n % 8 == 0;
+        for (int idx = threadIdx.x; idx < BM * kPieces; idx += kConsumers) {
+            const int m_local = idx / kPieces, n_local = (idx % kPieces) * 8;
+            const int m_row = tile_m + m_local, n_col = tile_n + n_local;
+            if (m_row >= a.m || n_col >= a.n) continue;
+            const uint8_t* src = out_tile + m_local * L::kOutRowBytes + n_local * 2;
+            __nv_bfloat16* dst = a.out + int64_t(m_row) * a.n + n_col;
+            if (vector_rows && n_col + 8 <= a.n) {
+                *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+            } else {
+                for (int e = 0; e < 8 && n_col + e < a.n; ++e) dst[e] = reinterpret_cast<const __nv_bfloat16*>(src)[e];
+            }
         }
     }
 #endif
 }
 
 // x [m, k] -> x_perm with each 64-column block permuted as in the header: one
-// thread per (row, block), 128 bytes in and out.
-__global__ void permute_x_kernel(const uint4* __restrict__ x, uint4* __restrict__ out, int64_t blocks) {
+// thread per (row, block), 128 bytes in and out. Also zeroes the stream-K
+// flags of the matmul that follows on the same stream.
+__global__ void permute_x_kernel(const uint4* __restrict__ x, uint4* __restrict__ out, int64_t blocks, int* flags,
+                                 int flag_count) {
     const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (b < flag_count) flags[b] = 0;
     if (b >= blocks) return;
     uint32_t in[32], perm[32];  // 64 bf16 as 32 pairs; pairs never split (e is the pair's element)
 #pragma unroll
@@ -350,7 +426,8 @@ CUtensorMap tensor_map_2d(CUtensorMapDataType type, const void* base, int64_t in
 }
 
 template <Format F, int BM>
-void launch(const void* x_perm, const uint8_t* codes, const FusedArgs& a, cudaStream_t stream) {
+void launch(const void* x_perm, const uint8_t* codes, const FusedArgs& a, const Partials& partials, int max_grid,
+            cudaStream_t stream) {
     using L = StageLayout<F, BM>;
     const CUtensorMap x_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, x_perm, a.k, a.m, int64_t(a.k) * 2,
                                             kTileK, BM, CU_TENSOR_MAP_SWIZZLE_128B);
@@ -359,18 +436,22 @@ void launch(const void* x_perm, const uint8_t* codes, const FusedArgs& a, cudaSt
                                                L::kCodeRowBytes, kTileN, CU_TENSOR_MAP_SWIZZLE_NONE);
     auto kernel = fused_linear_kernel<F, BM>;
     TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::kSmem)));
-    const dim3 grid((a.n + kTileN - 1) / kTileN, (a.m + BM - 1) / BM);
-    kernel<<<grid, kFusedThreads, L::kSmem, stream>>>(x_map, code_map, a);
+    Schedule sched{};
+    sched.tiles_n = (a.n + kTileN - 1) / kTileN;
+    sched.k_tiles = a.k / kTileK;
+    sched.iterations = int64_t(sched.tiles_n) * ((a.m + BM - 1) / BM) * sched.k_tiles;
+    sched.grid = int(sched.iterations < max_grid ? sched.iterations : max_grid);
+    kernel<<<sched.grid, kFusedThreads, L::kSmem, stream>>>(x_map, code_map, a, sched, partials);
     TS_CUDA_CHECK_LAUNCH();
 }
 
 template <Format F>
-void launch_format(const void* x_perm, const uint8_t* codes, const FusedArgs& a, int tile_m, cudaStream_t stream) {
-    if (tile_m == 0) tile_m = a.m <= 64 ? 64 : (a.m <= 128 ? 128 : 256);  // the widest tile the rows fill
+void launch_format(const void* x_perm, const uint8_t* codes, const FusedArgs& a, int tile_m, const Partials& p,
+                   int max_grid, cudaStream_t stream) {
     switch (tile_m) {
-        case 64: return launch<F, 64>(x_perm, codes, a, stream);
-        case 128: return launch<F, 128>(x_perm, codes, a, stream);
-        case 256: return launch<F, 256>(x_perm, codes, a, stream);
+        case 64: return launch<F, 64>(x_perm, codes, a, p, max_grid, stream);
+        case 128: return launch<F, 128>(x_perm, codes, a, p, max_grid, stream);
+        case 256: return launch<F, 256>(x_perm, codes, a, p, max_grid, stream);
         default: ts::throw_value_error("fused linear: tile_m must be 0 (auto), 64, 128 or 256, got ", tile_m);
     }
 }
@@ -387,7 +468,8 @@ bool fused_linear_supported(int device) {
 
 void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, int64_t k, const uint8_t* codes,
                        const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int tile_m, int device, uintptr_t stream) {
+                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int device,
+                       uintptr_t stream) {
     TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
     TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
     TS_CHECK_ARG((block & (block - 1)) == 0 && (format == Format::nvfp4 ? block == 16 : block >= 32),
@@ -395,20 +477,27 @@ void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, in
     TS_CHECK_ARG(m >= 0 && n > 0 && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
                  "fused linear: sizes out of range");
     if (m == 0) return;
+    if (tile_m == 0) tile_m = m <= 64 ? 64 : (m <= 128 ? 128 : 256);  // the widest tile the rows fill
+    TS_CHECK_ARG(slots >= 1, "fused linear: the workspace needs at least one slot");
     ts::CudaDeviceGuard guard(device);
     auto s = reinterpret_cast<cudaStream_t>(stream);
+    int sms = 0;
+    TS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int max_grid = int(slots < sms ? slots : sms);  // one resident CTA per SM, one slot per CTA
     const int64_t blocks = m * (k / kTileK);
-    permute_x_kernel<<<unsigned((blocks + 255) / 256), 256, 0, s>>>(static_cast<const uint4*>(x),
-                                                                     static_cast<uint4*>(x_perm), blocks);
+    const int64_t threads = blocks > max_grid ? blocks : max_grid;
+    permute_x_kernel<<<unsigned((threads + 255) / 256), 256, 0, s>>>(
+        static_cast<const uint4*>(x), static_cast<uint4*>(x_perm), blocks, flags, max_grid);
     TS_CUDA_CHECK_LAUNCH();
+    const Partials partials{workspace, flags};
     int shift = 0;
     while ((int64_t(1) << shift) < block) ++shift;
     const FusedArgs a{static_cast<const uint8_t*>(scales), global_scale, static_cast<const __nv_bfloat16*>(bias),
                       static_cast<__nv_bfloat16*>(out), int(m), int(n), int(k), shift};
     switch (format) {
-        case Format::int8: return launch_format<Format::int8>(x_perm, codes, a, tile_m, s);
-        case Format::nf4: return launch_format<Format::nf4>(x_perm, codes, a, tile_m, s);
-        case Format::nvfp4: return launch_format<Format::nvfp4>(x_perm, codes, a, tile_m, s);
+        case Format::int8: return launch_format<Format::int8>(x_perm, codes, a, tile_m, partials, max_grid, s);
+        case Format::nf4: return launch_format<Format::nf4>(x_perm, codes, a, tile_m, partials, max_grid, s);
+        case Format::nvfp4: return launch_format<Format::nvfp4>(x_perm, codes, a, tile_m, partials, max_grid, s);
         default: break;
     }
 }

@@ -14,9 +14,13 @@ bool fused_linear_supported(int device);
 // enqueued on `stream`. format: int8, nf4 or nvfp4 over a [n, k] weight with
 // power-of-two blocks >= 16; k % 64 == 0. x_perm: an [m, k] bf16 workspace.
 // scales: fp32 per block (int8, nf4) or e4m3 bytes with global_scale (nvfp4).
-// tile_m: x rows per CTA (64, 128 or 256), 0 to pick from m.
+// tile_m: x rows per CTA (64, 128 or 256), 0 to pick from m. workspace
+// [slots][kFusedSlotFloats] fp32 and flags [slots] int32: stream-K partial
+// sums, one slot per CTA; the grid is min(slots, SM count).
+constexpr int64_t kFusedSlotFloats = 256 * 128;  // tile_m / 2 accumulators x 256 consumer threads, at most
 void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, int64_t k, const uint8_t* codes,
                        const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int tile_m, int device, uintptr_t stream);
+                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int device,
+                       uintptr_t stream);
 
 }  // namespace ts_quant

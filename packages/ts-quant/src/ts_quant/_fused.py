@@ -2,7 +2,9 @@
 
 The weight codes are decoded in registers straight into wgmma's A operand (y^T = W x^T), so no bf16
 copy of the weight is ever written; x is copied once into a column-permuted workspace that matches
-the order in which each thread reads its codes. The decoded values are the ones `dequantize` writes,
+the order in which each thread reads its codes. One persistent thread block per SM takes an equal
+share of the (tile, k tile) iterations (stream-K); tiles split between blocks are summed in a fixed
+order, so results do not depend on timing. The decoded values are the ones `dequantize` writes,
 so the result equals `F.linear(x, q.dequantize(torch.bfloat16), bias)` up to fp32 summation order.
 """
 
@@ -17,7 +19,9 @@ from ._tensor import QuantizedTensor
 __all__ = ["fused_linear", "fused_linear_reason"]
 
 FUSED_FORMATS = ("int8", "nf4", "nvfp4")
+SLOT_FLOATS = 256 * 128  # stream-K partial sums of one thread block (csrc/sm90/fused_linear.h)
 _available: dict[int, bool] = {}
+_sm_count: dict[int, int] = {}
 
 
 def _device_available(device: torch.device) -> bool:
@@ -58,10 +62,16 @@ def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | Non
     if m == 0:
         return out
     x_perm = torch.empty_like(x2d)
+    index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
+    if index not in _sm_count:
+        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    slots = _sm_count[index]  # one persistent thread block per SM, one partial-sum slot each
+    workspace = torch.empty(slots * SLOT_FLOATS, dtype=torch.float32, device=x2d.device)
+    flags = torch.empty(slots, dtype=torch.int32, device=x2d.device)  # zeroed by the kernel before use
     scales = q.block_scales()
     if q.format == "nvfp4":
         scales = scales.view(torch.uint8)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     _core.fused_linear(FORMAT_IDS[q.format], x2d, x_perm, q.data, scales, q.global_scale, q.block_size, n,
-                       None if bias is None else bias.detach(), out, stream, tile_m)
+                       None if bias is None else bias.detach(), out, workspace, flags, stream, tile_m)
     return out
