@@ -134,25 +134,24 @@ bool fused_linear_available(int device) {
 }
 
 // out [m, n] = x [m, k] @ dequantize(W [n, k])^T (+ bias) on Hopper, without a bf16 copy of W.
-void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyArray scales,
+void fused_linear(int format, AnyArray x, ByteArray codes, AnyArray scales,
                   std::optional<FloatArray> global, int64_t block, int64_t n, std::optional<AnyArray> bias,
-                  AnyArray out, FloatArray workspace, nb::ndarray<int32_t, nb::c_contig> flags, uintptr_t stream,
-                  int tile_m) {
+                  AnyArray out, FloatArray workspace, nb::ndarray<int32_t, nb::c_contig> flags, int epoch,
+                  uintptr_t stream, int tile_m) {
     TS_CHECK_ARG(format == int(Format::int8) || format == int(Format::nf4) || format == int(Format::nvfp4),
                  "fused_linear: format must be int8, nf4 or nvfp4");
-    TS_CHECK_ARG(x.ndim() == 2 && x_perm.ndim() == 2 && out.ndim() == 2, "fused_linear: x, x_perm and out must be 2-D");
+    TS_CHECK_ARG(x.ndim() == 2 && out.ndim() == 2, "fused_linear: x and out must be 2-D");
     const int64_t m = x.shape(0), k = x.shape(1);
     const int device = static_cast<int>(x.device_id());
     auto on_device = [&](const auto& a) { return ts::is_cuda(a) && static_cast<int>(a.device_id()) == device; };
-    TS_CHECK_ARG(on_device(x) && on_device(x_perm) && on_device(codes) && on_device(scales) && on_device(out) &&
+    TS_CHECK_ARG(on_device(x) && on_device(codes) && on_device(scales) && on_device(out) &&
                      (!global || on_device(*global)) && (!bias || on_device(*bias)),
                  "fused_linear: every tensor must be on the same CUDA device");
     auto is_bf16 = [](const auto& a) { return ts::scalar_kind(a.dtype()) == ts::ScalarKind::bfloat16; };
-    TS_CHECK_ARG(is_bf16(x) && is_bf16(x_perm) && is_bf16(out) && (!bias || is_bf16(*bias)),
-                 "fused_linear: x, x_perm, out and bias must be bfloat16");
-    TS_CHECK_ARG(x_perm.shape(0) == size_t(m) && x_perm.shape(1) == size_t(k) && out.shape(0) == size_t(m) &&
-                     out.shape(1) == size_t(n) && (!bias || bias->size() == size_t(n)),
-                 "fused_linear: shapes disagree (x [m, k], x_perm [m, k], out [m, n], bias [n])");
+    TS_CHECK_ARG(is_bf16(x) && is_bf16(out) && (!bias || is_bf16(*bias)),
+                 "fused_linear: x, out and bias must be bfloat16");
+    TS_CHECK_ARG(out.shape(0) == size_t(m) && out.shape(1) == size_t(n) && (!bias || bias->size() == size_t(n)),
+                 "fused_linear: shapes disagree (x [m, k], out [m, n], bias [n])");
     const bool four_bit = format != int(Format::int8);
     TS_CHECK_ARG(codes.size() >= size_t(four_bit ? n * k / 2 : n * k), "fused_linear: codes hold too few bytes");
     const size_t scale_bytes = format == int(Format::nvfp4) ? 1 : 4;
@@ -162,8 +161,8 @@ void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyA
     TS_CHECK_ARG(format != int(Format::nvfp4) || (global && global->size() >= 1),
                  "fused_linear: nvfp4 needs its per-tensor scale");
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    TS_CHECK_ARG(aligned(x.data()) && aligned(x_perm.data()) && aligned(codes.data()) && aligned(scales.data()),
-                 "fused_linear: x, x_perm, codes and scales must be 16-byte aligned");
+    TS_CHECK_ARG(aligned(x.data()) && aligned(codes.data()) && aligned(scales.data()),
+                 "fused_linear: x, codes and scales must be 16-byte aligned");
     TS_CHECK_ARG(on_device(workspace) && on_device(flags) && flags.size() >= 1, "fused_linear: workspace and flags "
                                                                                 "must be on x's device");
     const int64_t slots = static_cast<int64_t>(flags.size());
@@ -174,9 +173,9 @@ void fused_linear(int format, AnyArray x, AnyArray x_perm, ByteArray codes, AnyA
     TS_CHECK_ARG(fused_linear_available(device), "fused_linear: needs a compute capability 9.0 GPU and a build with "
                                                  "sm_90 in TS_CUDA_ARCHITECTURES");
 #ifdef TS_WITH_SM90A
-    fused_linear_sm90(static_cast<Format>(format), x.data(), x_perm.data(), m, k, codes.data(), scales.data(),
+    fused_linear_sm90(static_cast<Format>(format), x.data(), m, k, codes.data(), scales.data(),
                       global ? global->data() : nullptr, block, n, bias ? bias->data() : nullptr, out.data(), tile_m,
-                      workspace.data(), flags.data(), slots, device, stream);
+                      workspace.data(), flags.data(), slots, epoch, device, stream);
 #endif
 }
 
@@ -197,9 +196,8 @@ NB_MODULE(_core, m) {
           "FP8 1x128 activation quantization on CUDA: codes [mp, k] e4m3 bytes, scales [k/128, mp] fp32.");
     m.def("fused_linear_available", &fused_linear_available, nb::arg("device"),
           "Whether fused_linear runs on this CUDA device (compute capability 9.0 and an sm_90a build).");
-    m.def("fused_linear", &fused_linear, nb::arg("format"), nb::arg("x"), nb::arg("x_perm").noconvert(),
-          nb::arg("codes"), nb::arg("scales"), nb::arg("global_scale").none(), nb::arg("block"), nb::arg("n"),
+    m.def("fused_linear", &fused_linear, nb::arg("format"), nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("global_scale").none(), nb::arg("block"), nb::arg("n"),
           nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("workspace").noconvert(),
-          nb::arg("flags").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
+          nb::arg("flags").noconvert(), nb::arg("epoch"), nb::arg("stream"), nb::arg("tile_m") = 0,
           "out = x @ dequantize(W)^T (+ bias) on Hopper tensor cores, decoding int8/nf4/nvfp4 codes in registers.");
 }

@@ -2,25 +2,23 @@
 // + bias, with W in int8, NF4 or NVFP4 codes, never written out as bf16.
 //
 // The product is computed transposed, y^T = W x^T, so the quantized weight is
-// wgmma's A operand, which may come from registers: each consumer thread loads
-// its own codes straight from global memory, decodes them to bf16 pairs in
-// registers (code value * block scale in fp32, rounded to bf16: the same bf16
-// weight `dequantize` writes) and hands them to wgmma; x^T is the B operand,
-// brought into shared memory by TMA. Decoding tile k+1 overlaps the tensor
-// cores working on tile k.
+// wgmma's A operand, which may come from registers: the codes and scales of a
+// 64-wide k tile reach shared memory by TMA and cp.async, each consumer thread
+// decodes its fragment to bf16 pairs in registers (code value * block scale
+// in fp32, rounded to bf16: the same bf16 weight `dequantize` writes) and
+// hands them to wgmma; x^T is the B operand, brought in by TMA. Decoding tile
+// k+1 overlaps the tensor cores working on tile k.
 //
-// Register fragments want, per k16 step, the columns {2t, 2t+1, 2t+8, 2t+9}
-// of two rows for lane t of a quad. The codes of a row come in storage order,
-// so lane t instead loads the 16 consecutive values 16t..16t+15 of each
-// 64-wide k tile (one 8- or 16-byte load) and uses them as those fragment
-// columns; x's columns are permuted the same way within each 64-block before
-// the matmul (permute_x_kernel), which leaves the sum over k unchanged:
-//   logical column 16s + 8h + 2t + e  <-  stored column 16t + 4s + 2h + e.
+// Register fragments want, per k16 step s, columns 16s + {2t, 2t+1, 2t+8,
+// 2t+9} of two rows for lane t of a quad: with 4-bit codes those pairs are
+// bytes 8s + t and 8s + 4 + t of the row's 32 bytes, so every lane reads the
+// whole row (16-byte loads, broadcast within the quad) and takes byte t of
+// each word; int8 pairs are 16-bit halves, picked the same way.
 //
 // CTA: two consumer warpgroups (64 weight rows each) and one producer
-// warpgroup: one lane streams 64-column tiles of the permuted x and the
-// codes by TMA, every lane one row's scales by cp.async, through a ring of
-// as many stages as shared memory holds.
+// warpgroup: one lane streams 64-column tiles of x and the codes by TMA,
+// every lane one row's scales by cp.async, through a ring of as many stages
+// as shared memory holds.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
@@ -81,48 +79,18 @@ struct StageLayout {
     // which is what short tiles (small m) need to stay busy.
     // Output tile [BM][kTileN] bf16 staged for 16-byte stores, rows padded by
     // 16 bytes against bank conflicts; its own space, as the producer is
-    // already filling stages for the next tile while it is stored.
+    // already filling stages for the next tile while it is stored. Where it
+    // would leave fewer than 4 stages (int8 at BM = 256), stages win and the
+    // accumulators are stored straight from registers.
     static constexpr int kOutRowBytes = kTileN * 2 + 16;
-    static constexpr int kOutBytes = BM * kOutRowBytes;
-    static constexpr int kFixed = 1024 + kOutBytes + 2 * 12 * sizeof(uint64_t) + 16 * sizeof(float);
-    static constexpr int kStages = (kMaxSmem - kFixed) / kBytes < 12 ? (kMaxSmem - kFixed) / kBytes : 12;
+    static constexpr int kBarrierBytes = 2 * 12 * sizeof(uint64_t);
+    static constexpr int kStagesIfStaged = (kMaxSmem - 1024 - kBarrierBytes - BM * kOutRowBytes) / kBytes;
+    static constexpr bool kStagedOut = kStagesIfStaged >= 4;
+    static constexpr int kOutBytes = kStagedOut ? BM * kOutRowBytes : 0;
+    static constexpr int kRoom = (kMaxSmem - 1024 - kBarrierBytes - kOutBytes) / kBytes;
+    static constexpr int kStages = kRoom < 12 ? kRoom : 12;
     static_assert(kStages >= 3, "a stage is too large for the pipeline");
     static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + kOutBytes + 2 * kStages * sizeof(uint64_t);
-};
-
-// One thread's codes for one row and one 64-wide k tile: values 16t..16t+15.
-template <Format F>
-struct RowCodes {
-    static constexpr bool kFourBit = F != Format::int8;
-    uint32_t w[kFourBit ? 2 : 4];
-
-    __device__ __forceinline__ void load(const uint8_t* row, int t) {
-        if constexpr (kFourBit) {
-            const uint2 v = *reinterpret_cast<const uint2*>(row + t * 8);
-            w[0] = v.x, w[1] = v.y;
-        } else {
-            const uint4 v = *reinterpret_cast<const uint4*>(row + t * 16);
-            w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-        }
-    }
-
-    // bf16 pair of stored values (2j, 2j+1) of the 16, j in 0..7 (compile time).
-    __device__ __forceinline__ uint32_t pair(int j, float scale, const float* table) const {
-        float first, second;
-        if constexpr (kFourBit) {
-            const uint32_t byte = (w[j >> 2] >> (8 * (j & 3))) & 0xffu;
-            const uint32_t hi = byte >> 4, lo = byte & 0xfu;
-            // nf4 stores the first value in the high nibble, nvfp4 in the low one.
-            first = table[F == Format::nf4 ? hi : lo];
-            second = table[F == Format::nf4 ? lo : hi];
-        } else {
-            const uint32_t half = w[j >> 1] >> (16 * (j & 1));
-            first = static_cast<float>(static_cast<int8_t>(half & 0xffu));
-            second = static_cast<float>(static_cast<int8_t>((half >> 8) & 0xffu));
-        }
-        __nv_bfloat162 v = __floats2bfloat162_rn(first * scale, second * scale);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
 };
 
 // exact e4m3 decode, as in the dequantize kernels
@@ -133,17 +101,51 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
     return em == 0x7fu ? __uint_as_float(0x7fc00000u) : v;
 }
 
-// Scale of lane t's 16 values from the row's staged scale bytes: one fp32 for
-// blocks >= 64, one of two for blocks of 32; nvfp4: e4m3 byte t.
+// One row's codes and scales for one 64-wide k tile, as lane t of its quad
+// decodes them.
 template <Format F>
-__device__ __forceinline__ float staged_scale(const uint8_t* row, int t, int block_shift, float global) {
-    if constexpr (F == Format::nvfp4) {
-        return e4m3_to_float(row[t]) * global;
-    } else {
-        const int slot = block_shift >= 6 ? 0 : (16 * t) >> block_shift;
-        return reinterpret_cast<const float*>(row)[slot];
+struct RowCodes {
+    static constexpr bool kFourBit = F != Format::int8;
+    static constexpr int kWords = kFourBit ? 8 : 16;  // the row's 32 or 64 bytes
+    uint32_t w[kWords];
+    float scale[4];  // of each k16 step
+
+    __device__ __forceinline__ void load(const uint8_t* codes, const uint8_t* scales, int block_shift, float global) {
+#pragma unroll
+        for (int i = 0; i < kWords / 4; ++i) {
+            const uint4 v = reinterpret_cast<const uint4*>(codes)[i];
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+        if constexpr (F == Format::nvfp4) {  // blocks of 16: one e4m3 scale per k16 step
+            const uint32_t bytes = *reinterpret_cast<const uint32_t*>(scales);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) scale[s] = e4m3_to_float((bytes >> (8 * s)) & 0xffu) * global;
+        } else {  // blocks of 32 (steps 0-1 and 2-3) or >= 64 (one scale)
+            const float2 f = *reinterpret_cast<const float2*>(scales);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) scale[s] = block_shift >= 6 || s < 2 ? f.x : f.y;
+        }
     }
-}
+
+    // bf16 pair of columns 16s + 8h + 2t, +1 (s, h compile time; t the lane in the quad).
+    __device__ __forceinline__ uint32_t pair(int s, int h, int t, const float* table) const {
+        float first, second;
+        if constexpr (kFourBit) {
+            const uint32_t byte = __byte_perm(w[2 * s + h], 0, 0x4440 | t);  // byte t, zero-extended
+            const uint32_t hi = byte >> 4, lo = byte & 0xfu;
+            // nf4 stores the first value in the high nibble, nvfp4 in the low one.
+            first = table[F == Format::nf4 ? hi : lo];
+            second = table[F == Format::nf4 ? lo : hi];
+        } else {  // bytes 16s + 8h + 2t, +1: half (t & 1) of word 4s + 2h + (t >> 1)
+            const uint32_t word = (t & 2) ? w[4 * s + 2 * h + 1] : w[4 * s + 2 * h];
+            const uint32_t half = word >> (16 * (t & 1));
+            first = static_cast<float>(static_cast<int8_t>(half & 0xffu));
+            second = static_cast<float>(static_cast<int8_t>((half >> 8) & 0xffu));
+        }
+        __nv_bfloat162 v = __floats2bfloat162_rn(first * scale[s], second * scale[s]);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
 
 // Producer side of the scales: the bytes covering one row's 64 values of tile kt.
 template <Format F>
@@ -175,7 +177,8 @@ struct Schedule {
 
 struct Partials {
     float* workspace;  // [grid][BM / 2][256] fp32: slot of each CTA, accumulator-major
-    int* flags;        // [grid], zeroed by the x permutation kernel before this launch
+    int* flags;        // [grid]: a slot is ready when its flag holds this launch's epoch
+    int epoch;         // differs from every value the flags held before (the caller counts launches)
 };
 
 template <Format F, int BM>
@@ -257,22 +260,20 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     uint32_t frag[3][4][4];  // fragment buffer of the segment's i-th k tile: frag[i % 3]
     int j0 = 0;              // k tiles consumed before this segment
 
-    // Fragments of the four k16 steps of k tile kt, staged in stage s (full):
+    // Fragments of the four k16 steps of the k tile in `stage` (full):
     // {row0 cols 2t.., row1 cols 2t.., row0 cols 2t+8.., row1 cols 2t+8..}.
-    auto decode = [&](int s, uint32_t(&out)[4][4]) {
-        RowCodes<F> codes[2];
-        float scale[2];
+    auto decode = [&](int stage, uint32_t(&out)[4][4]) {
+        RowCodes<F> rows[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            codes[r].load(code_tile(s) + (local0 + 8 * r) * L::kCodeRowBytes, t);
-            scale[r] = staged_scale<F>(scale_tile(s) + (local0 + 8 * r) * L::kScaleRowBytes, t, a.block_shift, global);
-        }
+        for (int r = 0; r < 2; ++r)
+            rows[r].load(code_tile(stage) + (local0 + 8 * r) * L::kCodeRowBytes,
+                         scale_tile(stage) + (local0 + 8 * r) * L::kScaleRowBytes, a.block_shift, global);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                out[ks][2 * h] = codes[0].pair(2 * ks + h, scale[0], table);
-                out[ks][2 * h + 1] = codes[1].pair(2 * ks + h, scale[1], table);
+                out[ks][2 * h] = rows[0].pair(ks, h, t, table);
+                out[ks][2 * h + 1] = rows[1].pair(ks, h, t, table);
             }
         }
     };
@@ -325,14 +326,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
             for (int e = 0; e < BM / 2; ++e) __stcg(slot + e * kConsumers, acc[e]);
             __threadfence();
             consumers_sync();
-            if (threadIdx.x == 0) atomicExch(partials.flags + blockIdx.x, 1);
+            if (threadIdx.x == 0) atomicExch(partials.flags + blockIdx.x, partials.epoch);
             continue;
         }
         // Finishing CTA: add the partials of the CTAs that hold the rest of the tile, in k order.
         for (int64_t rest = int64_t(seg.tile) * kt_count + seg.ke; rest < int64_t(seg.tile + 1) * kt_count;) {
             const int cta = sched.owner(rest);
             if (threadIdx.x == 0) {
-                while (atomicAdd(partials.flags + cta, 0) == 0) __nanosleep(256);
+                while (atomicAdd(partials.flags + cta, 0) != partials.epoch) __nanosleep(256);
                 __threadfence();
             }
             consumers_sync();
@@ -342,10 +343,20 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
             rest = sched.begin(cta + 1);
         }
 
-        // Store: transpose through shared memory into [BM][128], then whole 16-byte row pieces.
         const int row0 = tile_n + local0;
         const float bias0 = a.bias && row0 < a.n ? __bfloat162float(a.bias[row0]) : 0.0f;
         const float bias1 = a.bias && row0 + 8 < a.n ? __bfloat162float(a.bias[row0 + 8]) : 0.0f;
+        if constexpr (!L::kStagedOut) {  // straight from registers: 16 bytes per 8 lanes
+#pragma unroll
+            for (int e = 0; e < BM / 2; ++e) {
+                const int n_row = row0 + 8 * ((e >> 1) & 1);
+                const int m_row = tile_m + 8 * (e >> 2) + 2 * t + (e & 1);
+                if (n_row < a.n && m_row < a.m)
+                    a.out[int64_t(m_row) * a.n + n_row] = __float2bfloat16_rn(acc[e] + (((e >> 1) & 1) ? bias1 : bias0));
+            }
+            continue;
+        }
+        // Store: transpose through shared memory into [BM][128], then whole 16-byte row pieces.
         consumers_sync();  // the previous tile's pieces are all read
 #pragma unroll
         for (int e = 0; e < BM / 2; ++e) {
@@ -371,31 +382,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
         }
     }
 #endif
-}
-
-// x [m, k] -> x_perm with each 64-column block permuted as in the header: one
-// thread per (row, block), 128 bytes in and out. Also zeroes the stream-K
-// flags of the matmul that follows on the same stream.
-__global__ void permute_x_kernel(const uint4* __restrict__ x, uint4* __restrict__ out, int64_t blocks, int* flags,
-                                 int flag_count) {
-    const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (b < flag_count) flags[b] = 0;
-    if (b >= blocks) return;
-    uint32_t in[32], perm[32];  // 64 bf16 as 32 pairs; pairs never split (e is the pair's element)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const uint4 v = x[b * 8 + i];
-        in[4 * i] = v.x, in[4 * i + 1] = v.y, in[4 * i + 2] = v.z, in[4 * i + 3] = v.w;
-    }
-    // logical pair (16s + 8h + 2t) / 2 = 8s + 4h + t  <-  stored pair (16t + 4s + 2h) / 2 = 8t + 2s + h
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int t = 0; t < 4; ++t) perm[8 * s + 4 * h + t] = in[8 * t + 2 * s + h];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[b * 8 + i] = make_uint4(perm[4 * i], perm[4 * i + 1], perm[4 * i + 2], perm[4 * i + 3]);
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -426,10 +412,10 @@ CUtensorMap tensor_map_2d(CUtensorMapDataType type, const void* base, int64_t in
 }
 
 template <Format F, int BM>
-void launch(const void* x_perm, const uint8_t* codes, const FusedArgs& a, const Partials& partials, int max_grid,
+void launch(const void* x, const uint8_t* codes, const FusedArgs& a, const Partials& partials, int max_grid,
             cudaStream_t stream) {
     using L = StageLayout<F, BM>;
-    const CUtensorMap x_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, x_perm, a.k, a.m, int64_t(a.k) * 2,
+    const CUtensorMap x_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, x, a.k, a.m, int64_t(a.k) * 2,
                                             kTileK, BM, CU_TENSOR_MAP_SWIZZLE_128B);
     const int64_t row_bytes = int64_t(a.k) * L::kCodeRowBytes / kTileK;
     const CUtensorMap code_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, codes, row_bytes, a.n, row_bytes,
@@ -446,12 +432,12 @@ void launch(const void* x_perm, const uint8_t* codes, const FusedArgs& a, const 
 }
 
 template <Format F>
-void launch_format(const void* x_perm, const uint8_t* codes, const FusedArgs& a, int tile_m, const Partials& p,
+void launch_format(const void* x, const uint8_t* codes, const FusedArgs& a, int tile_m, const Partials& p,
                    int max_grid, cudaStream_t stream) {
     switch (tile_m) {
-        case 64: return launch<F, 64>(x_perm, codes, a, p, max_grid, stream);
-        case 128: return launch<F, 128>(x_perm, codes, a, p, max_grid, stream);
-        case 256: return launch<F, 256>(x_perm, codes, a, p, max_grid, stream);
+        case 64: return launch<F, 64>(x, codes, a, p, max_grid, stream);
+        case 128: return launch<F, 128>(x, codes, a, p, max_grid, stream);
+        case 256: return launch<F, 256>(x, codes, a, p, max_grid, stream);
         default: ts::throw_value_error("fused linear: tile_m must be 0 (auto), 64, 128 or 256, got ", tile_m);
     }
 }
@@ -466,9 +452,9 @@ bool fused_linear_supported(int device) {
     return major == 9 && minor == 0;
 }
 
-void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, int64_t k, const uint8_t* codes,
+void fused_linear_sm90(Format format, const void* x, int64_t m, int64_t k, const uint8_t* codes,
                        const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int device,
+                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int epoch, int device,
                        uintptr_t stream) {
     TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
     TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
@@ -484,20 +470,15 @@ void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, in
     int sms = 0;
     TS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     const int max_grid = int(slots < sms ? slots : sms);  // one resident CTA per SM, one slot per CTA
-    const int64_t blocks = m * (k / kTileK);
-    const int64_t threads = blocks > max_grid ? blocks : max_grid;
-    permute_x_kernel<<<unsigned((threads + 255) / 256), 256, 0, s>>>(
-        static_cast<const uint4*>(x), static_cast<uint4*>(x_perm), blocks, flags, max_grid);
-    TS_CUDA_CHECK_LAUNCH();
-    const Partials partials{workspace, flags};
+    const Partials partials{workspace, flags, epoch};
     int shift = 0;
     while ((int64_t(1) << shift) < block) ++shift;
     const FusedArgs a{static_cast<const uint8_t*>(scales), global_scale, static_cast<const __nv_bfloat16*>(bias),
                       static_cast<__nv_bfloat16*>(out), int(m), int(n), int(k), shift};
     switch (format) {
-        case Format::int8: return launch_format<Format::int8>(x_perm, codes, a, tile_m, partials, max_grid, s);
-        case Format::nf4: return launch_format<Format::nf4>(x_perm, codes, a, tile_m, partials, max_grid, s);
-        case Format::nvfp4: return launch_format<Format::nvfp4>(x_perm, codes, a, tile_m, partials, max_grid, s);
+        case Format::int8: return launch_format<Format::int8>(x, codes, a, tile_m, partials, max_grid, s);
+        case Format::nf4: return launch_format<Format::nf4>(x, codes, a, tile_m, partials, max_grid, s);
+        case Format::nvfp4: return launch_format<Format::nvfp4>(x, codes, a, tile_m, partials, max_grid, s);
         default: break;
     }
 }

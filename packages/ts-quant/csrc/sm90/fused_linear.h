@@ -11,16 +11,17 @@ namespace ts_quant {
 bool fused_linear_supported(int device);
 
 // out[m, n] = x[m, k] @ dequantize(codes, scales)^T (+ bias), all bf16 on `device`,
-// enqueued on `stream`. format: int8, nf4 or nvfp4 over a [n, k] weight with
-// power-of-two blocks >= 16; k % 64 == 0. x_perm: an [m, k] bf16 workspace.
+// enqueued on `stream`. format: int8 or nf4 with power-of-two blocks >= 32, or
+// nvfp4, over a [n, k] weight; k % 64 == 0.
 // scales: fp32 per block (int8, nf4) or e4m3 bytes with global_scale (nvfp4).
 // tile_m: x rows per CTA (64, 128 or 256), 0 to pick from m. workspace
 // [slots][kFusedSlotFloats] fp32 and flags [slots] int32: stream-K partial
-// sums, one slot per CTA; the grid is min(slots, SM count).
+// sums, one slot per CTA; the grid is min(slots, SM count). epoch: a value
+// no flag holds yet (flags start zeroed; pass 1, 2, 3, ... on one stream).
 constexpr int64_t kFusedSlotFloats = 256 * 128;  // tile_m / 2 accumulators x 256 consumer threads, at most
-void fused_linear_sm90(Format format, const void* x, void* x_perm, int64_t m, int64_t k, const uint8_t* codes,
+void fused_linear_sm90(Format format, const void* x, int64_t m, int64_t k, const uint8_t* codes,
                        const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int device,
+                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int epoch, int device,
                        uintptr_t stream);
 
 }  // namespace ts_quant

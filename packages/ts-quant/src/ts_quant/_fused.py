@@ -1,8 +1,7 @@
 """Hopper's fused dequantize + matmul (csrc/sm90/fused_linear.cu) for int8, NF4 and NVFP4 weights.
 
 The weight codes are decoded in registers straight into wgmma's A operand (y^T = W x^T), so no bf16
-copy of the weight is ever written; x is copied once into a column-permuted workspace that matches
-the order in which each thread reads its codes. One persistent thread block per SM takes an equal
+copy of the weight is ever written. One persistent thread block per SM takes an equal
 share of the (tile, k tile) iterations (stream-K); tiles split between blocks are summed in a fixed
 order, so results do not depend on timing. The decoded values are the ones `dequantize` writes,
 so the result equals `F.linear(x, q.dequantize(torch.bfloat16), bias)` up to fp32 summation order.
@@ -21,7 +20,6 @@ __all__ = ["fused_linear", "fused_linear_reason"]
 FUSED_FORMATS = ("int8", "nf4", "nvfp4")
 SLOT_FLOATS = 256 * 128  # stream-K partial sums of one thread block (csrc/sm90/fused_linear.h)
 _available: dict[int, bool] = {}
-_sm_count: dict[int, int] = {}
 
 
 def _device_available(device: torch.device) -> bool:
@@ -50,8 +48,34 @@ def fused_linear_reason(x2d: torch.Tensor, q: QuantizedTensor) -> str | None:
     return None
 
 
+class _StreamKState:
+    """Partial-sum slots and ready flags of one (device, stream): calls on one stream run in order, so
+    they can share them; each call takes the next epoch, so flags never need clearing."""
+
+    def __init__(self, device: torch.device, slots: int) -> None:
+        self.workspace = torch.empty(slots * SLOT_FLOATS, dtype=torch.float32, device=device)
+        self.flags = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.epoch = 0
+
+    def next_epoch(self) -> int:
+        self.epoch = self.epoch % (2**31 - 2) + 1  # 1, 2, ..., never 0 (the zeroed flags)
+        return self.epoch
+
+
+_states: dict[tuple[int, int], _StreamKState] = {}
+
+
+def _state(device: torch.device, stream: int) -> _StreamKState:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, stream)
+    if key not in _states:
+        slots = torch.cuda.get_device_properties(index).multi_processor_count  # one thread block per SM
+        _states[key] = _StreamKState(torch.device("cuda", index), slots)
+    return _states[key]
+
+
 def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, tile_m: int = 0) -> torch.Tensor:
-    """x2d @ q.dequantize(bf16)^T + bias in one kernel (plus the x permutation); x2d bf16 [m, k] on an sm_90 GPU.
+    """x2d @ q.dequantize(bf16)^T + bias in one kernel; x2d bf16 [m, k] on an sm_90 GPU.
 
     tile_m: rows of x per thread block (64, 128 or 256); 0 picks the widest one m fills.
     """
@@ -61,17 +85,12 @@ def fused_linear(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | Non
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x2d.device)
     if m == 0:
         return out
-    x_perm = torch.empty_like(x2d)
-    index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
-    if index not in _sm_count:
-        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    slots = _sm_count[index]  # one persistent thread block per SM, one partial-sum slot each
-    workspace = torch.empty(slots * SLOT_FLOATS, dtype=torch.float32, device=x2d.device)
-    flags = torch.empty(slots, dtype=torch.int32, device=x2d.device)  # zeroed by the kernel before use
     scales = q.block_scales()
     if q.format == "nvfp4":
         scales = scales.view(torch.uint8)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
-    _core.fused_linear(FORMAT_IDS[q.format], x2d, x_perm, q.data, scales, q.global_scale, q.block_size, n,
-                       None if bias is None else bias.detach(), out, workspace, flags, stream, tile_m)
+    state = _state(x2d.device, stream)
+    _core.fused_linear(FORMAT_IDS[q.format], x2d, q.data, scales, q.global_scale, q.block_size, n,
+                       None if bias is None else bias.detach(), out, state.workspace, state.flags,
+                       state.next_epoch(), stream, tile_m)
     return out
