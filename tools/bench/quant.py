@@ -155,17 +155,17 @@ def fused_sweep(w: torch.Tensor) -> list[dict]:
     rows = []
     qs = [ts_quant.quantize(w, "nf4") for _ in range(COPIES)]
     wbs = [w.to(torch.bfloat16) for _ in range(COPIES)]
-    for m in (16, 64, 128, 256, 512, 1024, 2048):
+    ts_quant.configure_linear(fused=False)
+    for m in (16, 64, 128, 256, 512, 1024, 1536, 2048, 4096):
         x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         bf16_ms = cuda_time_ms(rotating(lambda wb, x=x: F.linear(x, wb), wbs))
-        ms = cuda_time_ms(rotating(lambda q, x=x: ts_quant.quantized_linear(x, q), qs))
-        tflops = 2 * m * N * K / ms / 1e9
-        rows.append({"m": m, "tile_m": "auto", "bf16 ms": bf16_ms, "nf4 fused ms": ms, "x bf16": ms / bf16_ms,
-                     "TFLOP/s": tflops})
-        for tile_m in (128, 256) if m >= 512 else ():
+        unfused_ms = cuda_time_ms(rotating(lambda q, x=x: ts_quant.quantized_linear(x, q), qs))
+        for tile_m in (0, 128) if m in (512, 2048) else (0,):
             ms = cuda_time_ms(rotating(lambda q, x=x, t=tile_m: _fused.fused_linear(x, q, None, t), qs))
-            rows.append({"m": m, "tile_m": tile_m, "bf16 ms": bf16_ms, "nf4 fused ms": ms, "x bf16": ms / bf16_ms,
-                         "TFLOP/s": 2 * m * N * K / ms / 1e9})
+            rows.append({"m": m, "tile_m": tile_m or "auto", "bf16 ms": bf16_ms, "nf4 fused ms": ms,
+                         "x bf16": ms / bf16_ms, "TFLOP/s": 2 * m * N * K / ms / 1e9,
+                         "nf4 dequantize+matmul ms": unfused_ms})
+    ts_quant.configure_linear(fused=True)
     return rows
 
 

@@ -103,3 +103,10 @@ def test_fused_empty_batch_and_fallbacks():
         assert ts_quant.linear_path(x16.bfloat16(), q) == "dequantize"
     finally:
         ts_quant.configure_linear(fused=True)
+    limit = ts_quant.configure_linear()["fused_max_rows"]
+    ts_quant.configure_linear(fused_max_rows=2)
+    try:  # more rows than the limit: dequantize + cuBLAS, counted over all leading dims
+        assert ts_quant.linear_path(torch.zeros(1, 3, 128, device="cuda", dtype=torch.bfloat16), q) == "dequantize"
+        assert ts_quant.linear_path(torch.zeros(2, 128, device="cuda", dtype=torch.bfloat16), q) == "fused_sm90"
+    finally:
+        ts_quant.configure_linear(fused_max_rows=limit)

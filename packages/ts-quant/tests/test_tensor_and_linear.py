@@ -202,4 +202,7 @@ def test_fused_linear_reasons_name_the_blocking_condition():
     assert "power of two" in _fused.fused_linear_reason(x, ts_quant.quantize(torch.randn(64, 128), "int8", 48))
     with pytest.raises(ValueError, match="fused"):
         ts_quant.configure_linear(fused=1)
-    assert ts_quant.configure_linear()["fused"] is True
+    with pytest.raises(ValueError, match="fused_max_rows"):
+        ts_quant.configure_linear(fused_max_rows=-1)
+    settings = ts_quant.configure_linear()
+    assert settings["fused"] is True and settings["fused_max_rows"] >= 512

@@ -15,18 +15,24 @@ from ._tiled import tiled_linear
 __all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
 
 # tiles: measured on the H200, tiling only added launches (tiles=4 was slowest).
-# fused: the Hopper fused kernel where it applies.
-_settings = {"tiles": 1, "fused": True}
+# fused: the Hopper fused kernel where it applies, up to fused_max_rows rows of x: above about
+# 1.5k rows (H200, W 13824x5120) one dequantize plus cuBLAS's bf16 matmul is faster.
+_settings = {"tiles": 1, "fused": True, "fused_max_rows": 1536}
 _broken: set[str] = set()  # tensor-core paths that failed once in this process
 
 
-def configure_linear(tiles: int | None = None, fused: bool | None = None) -> dict:
-    """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling) and whether the
-    Hopper fused kernel is used where it applies (default True). Returns the settings."""
+def configure_linear(tiles: int | None = None, fused: bool | None = None, fused_max_rows: int | None = None) -> dict:
+    """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling), whether the
+    Hopper fused kernel is used where it applies (default True) and up to how many rows of x (default
+    1536). Returns the settings."""
     if fused is not None:
         if not isinstance(fused, bool):
             raise ValueError(f"fused={fused!r} must be True or False")
         _settings["fused"] = fused
+    if fused_max_rows is not None:
+        if isinstance(fused_max_rows, bool) or not isinstance(fused_max_rows, int) or fused_max_rows < 0:
+            raise ValueError(f"fused_max_rows={fused_max_rows!r} must be an int >= 0")
+        _settings["fused_max_rows"] = fused_max_rows
     if tiles is not None:
         if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
             raise ValueError(f"tiles={tiles!r} must be an int >= 1")
@@ -43,7 +49,7 @@ def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
 
     "fp8_scaled_mm" (Hopper, fp8 128x128 weights, N and K multiples of 128), "nvfp4_scaled_mm"
     (sm_100+, K a multiple of 32), "fused_sm90" (Hopper, int8/nf4/nvfp4 weights, bf16 x, K a multiple
-    of 64: codes decoded in registers into wgmma), "dequantize_tiled" (CUDA: dequantization overlapped
+    of 64, at most fused_max_rows rows: codes decoded in registers into wgmma), "dequantize_tiled" (CUDA: dequantization overlapped
     with bf16 matmuls), "dequantize" (CPU, or tiles=1: dequantize then F.linear).
     """
     n, k = qweight.shape
@@ -56,7 +62,9 @@ def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
     if (qweight.format == "nvfp4" and has_scaled_mm and "nvfp4_scaled_mm" not in _broken
             and _capability(x.device)[0] >= 10 and k % 32 == 0 and hasattr(torch, "float4_e2m1fn_x2")):
         return "nvfp4_scaled_mm"
-    if "fused_sm90" not in _broken and _settings["fused"] and _fused.fused_linear_reason(x, qweight) is None:
+    rows = x.numel() // max(1, x.shape[-1])
+    if ("fused_sm90" not in _broken and _settings["fused"] and rows <= _settings["fused_max_rows"]
+            and _fused.fused_linear_reason(x, qweight) is None):
         return "fused_sm90"
     return "dequantize_tiled" if _settings["tiles"] > 1 and n > 1 else "dequantize"
 
