@@ -15,16 +15,17 @@ from ._tiled import tiled_linear
 __all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
 
 # tiles: measured on the H200, tiling only added launches (tiles=4 was slowest).
-# fused: the Hopper fused kernel where it applies, up to fused_max_rows rows of x: above about
-# 1.5k rows (H200, W 13824x5120) one dequantize plus cuBLAS's bf16 matmul is faster.
-_settings = {"tiles": 1, "fused": True, "fused_max_rows": 1536}
+# fused: the Hopper fused kernel where it applies, up to fused_max_rows rows of x. Measured on the
+# H200 (W 13824x5120, docs/quant.md): fused is faster up to 1024 rows, one dequantize plus cuBLAS's
+# bf16 matmul from 1536 rows on.
+_settings = {"tiles": 1, "fused": True, "fused_max_rows": 1024}
 _broken: set[str] = set()  # tensor-core paths that failed once in this process
 
 
 def configure_linear(tiles: int | None = None, fused: bool | None = None, fused_max_rows: int | None = None) -> dict:
     """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling), whether the
     Hopper fused kernel is used where it applies (default True) and up to how many rows of x (default
-    1536). Returns the settings."""
+    1024). Returns the settings."""
     if fused is not None:
         if not isinstance(fused, bool):
             raise ValueError(f"fused={fused!r} must be True or False")
