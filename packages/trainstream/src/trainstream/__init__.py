@@ -9,6 +9,7 @@ from ._blocks import find_blocks
 from ._channel import transfer_stats
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
+from ._quantize import quantize_model
 from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
@@ -22,6 +23,7 @@ __all__ = [
     "find_blocks",
     "memory_report",
     "pinned_stats",
+    "quantize_model",
     "reserve_pinned",
     "sequence_logprobs",
     "transfer_stats",

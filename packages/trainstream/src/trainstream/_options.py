@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ._quantize import check_quantize
+
 __all__ = ["WrapOptions", "parse_options"]
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -33,6 +35,7 @@ class WrapOptions:
     lr: float = 1e-3
     seed: int = 0
     verbose: bool = False
+    quantize: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -70,6 +73,7 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     if unknown:
         raise ValueError(f"unknown wrap() option(s): {', '.join(unknown)}; valid options: {', '.join(sorted(known))}")
     opts = WrapOptions(**options)
+    opts.quantize = check_quantize(opts.quantize)
     for name in _CHOICES:
         setattr(opts, name, _choice(name, getattr(opts, name)))
     if opts.max_grad_norm is not None and not (isinstance(opts.max_grad_norm, (int, float)) and opts.max_grad_norm > 0):

@@ -27,7 +27,7 @@ def _gpu(device: torch.device | None) -> dict:
 
 def memory_report(model: torch.nn.Module | None = None) -> dict:
     """For a wrapped model: ``events``, ``gpu``, ``pinned``, ``pinned_by_tag``, ``transfers``,
-    ``optimizer`` and ``resident``; without one: ``gpu``, ``pinned`` and ``pinned_by_tag``."""
+    ``optimizer``, ``resident`` and ``params``; without one: ``gpu``, ``pinned`` and ``pinned_by_tag``."""
     pinned = pinned_stats()
     by_tag = pinned.pop("by_tag")
     session = getattr(model, "_trainstream_session", None) if model is not None else None
@@ -57,5 +57,6 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             "last_grad_norm": session.engine.last_grad_norm,
         },
         "resident": all(s.placement == "device" for s in slots),
+        "params": {"quantize": None} if session.quantized is None else dict(session.quantized),
     })
     return report

@@ -56,6 +56,7 @@ class TrainStreamSession:
         self.steps = 0
         self.adapting = False
         self.peer = None  # peer-GPU pools arrive with ts-peer
+        self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
 
         slots = []
         for group in optimizer.param_groups:

@@ -7,6 +7,7 @@ import torch
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW
 from ._options import parse_options
+from ._quantize import quantize_model
 from ._session import TrainStreamSession
 
 __all__ = ["unwrap", "wrap"]
@@ -40,10 +41,17 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         options = {**optimizer.wrap_options, **options}
     opts = parse_options(options)
     device = _training_device(model, opts.device)
-    if any(p.device != device for p in model.parameters()):
+    # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
+    quantized = quantize_model(model, opts.quantize) if opts.quantize else None
+    if any(p.device != device for p in model.parameters()) or quantized:
         model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
     converted = to_offload_adamw(optimizer, model, opts.lr)
     session = TrainStreamSession(model, converted, opts, device)
+    if quantized:
+        session.quantized = {"quantize": opts.quantize, **quantized}
+        session.events.add("quantize", f"{quantized['tensors']} frozen linear weights of the blocks stored as "
+                                       f"{opts.quantize}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
+                                       f"{quantized['bytes_after'] / 2**30:.2f} GiB")
     migrated = getattr(converted, "_migrated_state", None)
     if migrated:
         _migrate_state(session, migrated)

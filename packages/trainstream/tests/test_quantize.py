@@ -1,0 +1,120 @@
+"""quantize_model() and wrap(quantize=...): frozen block weights stored quantized, the rest untouched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trainstream
+from ts_quant import QuantLinear
+from ts_testing import batches, loss_of, tiny_llama
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
+
+
+def _frozen_base(layers: int = 2) -> torch.nn.Module:
+    """A tiny Llama whose block linears are frozen; norms, embeddings and the head still train."""
+    model = tiny_llama(layers=layers)
+    for block in trainstream.find_blocks(model):
+        for module in block.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.requires_grad_(False)
+    return model
+
+
+def _dequantized_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """The reference: the same model with each frozen block weight replaced by its dequantized value."""
+    ref = copy.deepcopy(model)
+    trainstream.quantize_model(model, fmt)
+    for module, ref_module in zip(model.modules(), ref.modules()):
+        if isinstance(module, QuantLinear):
+            ref_module.weight.data.copy_(module.qweight.dequantize(torch.float32))
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_quantize_model_replaces_only_frozen_block_linears(fmt):
+    model = _frozen_base()
+    head, embed = model.lm_head, model.model.embed_tokens
+    result = trainstream.quantize_model(model, fmt)
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert result["tensors"] == len(quantized) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert model.lm_head is head and model.model.embed_tokens is embed  # outside the blocks
+    assert all(q.qweight.format == fmt for q in quantized)
+    expected = sum(q.qweight.nbytes for q in quantized)
+    assert result["bytes_after"] == expected
+    assert result["bytes_before"] == sum(q.in_features * q.out_features * 4 for q in quantized)
+    assert result["bytes_after"] < result["bytes_before"] / 3
+
+
+def test_quantized_forward_is_the_dequantized_model():
+    model = _frozen_base()
+    ref = _dequantized_copy(model, "nf4")
+    ids = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_wrap_quantize_trains_like_adamw_on_the_dequantized_base():
+    ours = _frozen_base()
+    ref = _dequantized_copy(copy.deepcopy(ours), "int8")
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False, **HYPER)
+    opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], **HYPER)
+    ours, opt = trainstream.wrap(ours, opt, quantize="int8")
+    data = batches(6)
+    ours_losses, ref_losses = [], []
+    for ids in data:
+        for model, optimizer, losses in ((ours, opt, ours_losses), (ref, ref_opt, ref_losses)):
+            loss = loss_of(model, ids)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    ours._trainstream_session.synchronize()
+    assert ours_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert ours_losses[-1] < ours_losses[0]
+    trained = [p for p in ours.parameters() if p.requires_grad]
+    ref_trained = [p for p in ref.parameters() if p.requires_grad]
+    assert max((a - b).abs().max().item() for a, b in zip(trained, ref_trained)) <= 1e-5
+    report = trainstream.memory_report(ours)
+    assert report["params"]["quantize"] == "int8" and report["params"]["tensors"] == 14
+    assert any("stored as int8" in line for line in report["events"])
+    trainstream.unwrap(ours)
+
+
+def test_quantized_model_state_dict_round_trips():
+    model = _frozen_base()
+    trainstream.quantize_model(model, "nf4")
+    state = model.state_dict()
+    again = _frozen_base()
+    trainstream.quantize_model(again, "nf4", block_size=128)  # different scales until loaded
+    again.load_state_dict(state)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+def test_lora_base_layers_are_quantized_and_adapters_train():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    result = trainstream.quantize_model(model, "nf4")
+    assert result["tensors"] == 2 * 7  # every base linear of the blocks, adapted or not
+    lora = [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    assert lora and all(isinstance(m.base_layer, QuantLinear) for m in lora)
+    assert all(type(m.lora_A["default"]) is torch.nn.Linear for m in lora)
+    loss_of(model, batches(1)[0]).backward()
+    assert all(m.lora_B["default"].weight.grad is not None for m in lora)
+
+
+def test_quantize_choices_are_checked():
+    with pytest.raises(ValueError, match="not available yet"):
+        trainstream.wrap(_frozen_base(), quantize="auto")
+    with pytest.raises(ValueError, match="quantize='fp4' is not valid"):
+        trainstream.wrap(_frozen_base(), quantize="fp4")
+    with pytest.raises(ValueError, match="freeze the base"):
+        trainstream.quantize_model(tiny_llama(), "nf4")
+    with pytest.raises(ValueError, match="needs a format"):
+        trainstream.quantize_model(_frozen_base(), None)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        trainstream.quantize_model(torch.nn.Linear(4, 4).requires_grad_(False), "int8")
