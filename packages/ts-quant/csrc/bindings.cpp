@@ -165,13 +165,13 @@ void fused_linear(int format, AnyArray x, ByteArray codes, AnyArray scales,
                  "fused_linear: x, codes and scales must be 16-byte aligned");
     TS_CHECK_ARG(on_device(workspace) && on_device(flags) && flags.size() >= 1, "fused_linear: workspace and flags "
                                                                                 "must be on x's device");
-    const int64_t slots = static_cast<int64_t>(flags.size());
+    TS_CHECK_ARG(fused_linear_available(device), "fused_linear: needs a compute capability 9.0 GPU and a build with "
+                                                 "sm_90 in TS_CUDA_ARCHITECTURES");
 #ifdef TS_WITH_SM90A
+    const int64_t slots = static_cast<int64_t>(flags.size());
     TS_CHECK_ARG(workspace.size() >= size_t(slots * kFusedSlotFloats), "fused_linear: the workspace needs ",
                  kFusedSlotFloats, " floats per flag");
 #endif
-    TS_CHECK_ARG(fused_linear_available(device), "fused_linear: needs a compute capability 9.0 GPU and a build with "
-                                                 "sm_90 in TS_CUDA_ARCHITECTURES");
 #ifdef TS_WITH_SM90A
     fused_linear_sm90(static_cast<Format>(format), x.data(), m, k, codes.data(), scales.data(),
                       global ? global->data() : nullptr, block, n, bias ? bias->data() : nullptr, out.data(), tile_m,
