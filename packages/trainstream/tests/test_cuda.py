@@ -165,3 +165,33 @@ def test_step_time_is_reported_and_reasonable():
     per_step = (time.perf_counter() - start) / 4
     assert per_step < 2.0
     assert trainstream.transfer_stats()["h2d_bytes"] > 0
+
+
+def test_quantized_base_trains_on_cuda_like_on_cpu():
+    """wrap(quantize="nf4") on CUDA: the frozen block linears run through ts-quant's CUDA path (the fused
+    kernel on sm_90) and the trainable rest follows the CPU run of the same model within bf16 rounding."""
+    import ts_quant
+
+    def frozen_base():
+        model = tiny_llama(layers=2, dtype=torch.bfloat16)
+        for block in trainstream.find_blocks(model):
+            for module in block.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.requires_grad_(False)
+        return model
+
+    data = batches(8)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        model = frozen_base()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, device=device, quantize="nf4")
+        runs[device] = _train(model, opt, data, device)
+        if device == "cuda":
+            layer = next(m for m in model.modules() if isinstance(m, ts_quant.QuantLinear))
+            x = torch.zeros(4, layer.in_features, device="cuda", dtype=torch.bfloat16)
+            expected = "fused_sm90" if torch.cuda.get_device_capability() == (9, 0) else "dequantize"
+            assert ts_quant.linear_path(x, layer.qweight) == expected
+        trainstream.unwrap(model)
+    assert runs["cuda"][-1] < runs["cuda"][0]
+    assert runs["cuda"] == pytest.approx(runs["cpu"], rel=3e-2)
