@@ -19,8 +19,9 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from .._losses import causal_lm_loss, sequence_logprobs
 from .._optimizer import OffloadAdamW
 from .._wrap import wrap
+from .hf_loading import load_model
 
-__all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "wrap_hf"]
+__all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "load_model", "wrap_hf"]
 
 # Config fields that change logits after the projection: the chunked loss cannot reproduce them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
