@@ -7,6 +7,7 @@ never exist during training.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from .._optimizer import OffloadAdamW
 from .._wrap import wrap
 from .hf_loading import load_model
 
-__all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "load_model", "wrap_hf"]
+__all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "load_model", "reference_logprobs",
+           "wrap_hf"]
 
 # Config fields that change logits after the projection: the chunked loss cannot reproduce them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -54,11 +56,12 @@ def wrap_hf(model: torch.nn.Module, optimizer=None, **options):
     return wrap(model, optimizer, **options)
 
 
-def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, *, chunk_size: int = 1024,
                        average: bool = False) -> torch.Tensor:
-    """Each sequence's log-probability of its labels (``-100``: not counted; labels are the input ids,
+    """Each sequence's log-probability of its labels (default: the input ids; ``-100``: not counted;
     shifted inside), ``[B]`` float32, computed in chunks; differentiable (DPO's policy term)."""
+    labels = input_ids if labels is None else labels
     parts = decoder_and_head(model)
     if parts is None:
         raise ValueError(f"{type(model).__name__} does not expose a decoder and a plain output projection")
@@ -68,6 +71,31 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, labels: 
         inputs["attention_mask"] = attention_mask
     return sequence_logprobs(_hidden(decoder, inputs), head.weight, labels, head.bias, chunk_size=chunk_size,
                              average=average)
+
+
+def reference_logprobs(model: torch.nn.Module, batches, *, chunk_size: int = 1024,
+                       average: bool = False) -> torch.Tensor:
+    """DPO's reference log-probs without a second model: ``model`` (a PEFT model runs with its adapters
+    off) in eval mode and without gradients, over ``batches`` (dicts with ``"input_ids"`` and optionally
+    ``"labels"`` and ``"attention_mask"``). One float32 CPU tensor with every sequence's value, in order;
+    the model's training mode is restored afterwards."""
+    adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    device = next(model.parameters()).device
+    was_training = model.training
+    values = []
+    model.eval()
+    try:
+        with torch.no_grad(), adapters_off:
+            for batch in batches:
+                if "input_ids" not in batch:
+                    raise ValueError("reference_logprobs: each batch needs 'input_ids'")
+                on_device = {k: batch[k].to(device) for k in ("input_ids", "labels", "attention_mask") if k in batch}
+                values.append(causal_lm_logprobs(model, on_device["input_ids"], on_device.get("labels"),
+                                                 on_device.get("attention_mask"), chunk_size=chunk_size,
+                                                 average=average).float().cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(values) if values else torch.empty(0)
 
 
 class TrainStreamTrainer(Trainer):
