@@ -46,3 +46,10 @@ def test_a_script_may_exit_right_after_step():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_qlora_streams_a_quantized_base_and_trains_adapters():
+    out = _run("qlora.py", "--steps", "6", "--seq", "32")
+    assert "base: nf4, 28 quantized layers" in out
+    losses = [float(line.split()[1]) for line in out.splitlines() if line.startswith("loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0]

@@ -105,3 +105,17 @@ def test_bad_arguments_are_refused(llama_dir, tmp_path):
         load_model(llama_dir, quantize="fp4")
     with pytest.raises(ValueError, match="ram_fraction"):
         load_model(llama_dir, ram_fraction=0.0)
+
+
+def test_peft_adapters_on_a_streamed_quantized_base(llama_dir):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(load_model(llama_dir, quantize="nf4", dtype=torch.float32),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert len(lora) == 4 and all(isinstance(m.base_layer, QuantLinear) for m in lora)
+    assert all(m.lora_A["default"].weight.dtype == torch.float32 for m in lora)
+    model.train()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(m.lora_B["default"].weight.grad is not None for m in lora)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)

@@ -206,3 +206,13 @@ def test_fused_linear_reasons_name_the_blocking_condition():
         ts_quant.configure_linear(fused_max_rows=-1)
     settings = ts_quant.configure_linear()
     assert settings["fused"] is True and settings["fused_max_rows"] >= 512
+
+
+def test_quant_linear_is_a_linear_without_a_weight_parameter():
+    linear = nn.Linear(64, 32)
+    layer = ts_quant.QuantLinear.from_linear(linear, "int8")
+    assert isinstance(layer, nn.Linear) and (layer.in_features, layer.out_features) == (64, 32)
+    assert [name for name, _ in layer.named_parameters()] == ["bias"]
+    assert "weight" not in layer.state_dict()
+    torch.testing.assert_close(layer.weight, layer.qweight.dequantize(torch.float32), rtol=0, atol=0)
+    assert layer.weight.dtype == torch.float32 and not layer.weight.requires_grad

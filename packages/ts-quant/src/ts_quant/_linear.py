@@ -142,15 +142,27 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tens
     return _QuantizedLinearFn.apply(x, qweight, bias, float(outliers))
 
 
-class QuantLinear(nn.Module):
-    """nn.Linear with a frozen quantized weight; state_dict holds the codes, scales and bias."""
+class QuantLinear(nn.Linear):
+    """nn.Linear with a frozen quantized weight; state_dict holds the codes, scales and bias.
+
+    A subclass of ``nn.Linear`` (with ``in_features`` / ``out_features``) so that code which accepts linear
+    layers, PEFT's LoRA among them, takes it. ``weight`` is not a parameter: it is a read-only property
+    that decodes ``qweight`` on every access (PEFT reads its device and dtype once per adapter), never
+    used by ``forward``. Merging adapters into the quantized weight is not supported.
+    """
 
     def __init__(self, qweight: QuantizedTensor, bias: torch.Tensor | None = None, outliers: float = 0.0) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: there is no dense weight to allocate
+        self._is_hf_initialized = True  # transformers' weight init must not reach for a .weight
         self.qweight = qweight
         self.out_features, self.in_features = qweight.shape
         self.outliers = float(outliers)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bias.requires_grad)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The decoded weight, freshly computed (a copy in ``qweight.dtype``, not trainable)."""
+        return self.qweight.dequantize(self.qweight.dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str, block_size: int | None = None, *,
