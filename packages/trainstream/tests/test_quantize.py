@@ -107,9 +107,34 @@ def test_lora_base_layers_are_quantized_and_adapters_train():
     assert all(m.lora_B["default"].weight.grad is not None for m in lora)
 
 
+def test_auto_keeps_weights_on_the_cpu():
+    model, _ = trainstream.wrap(_frozen_base())  # quantize="auto" is the default
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    report = trainstream.memory_report(model)
+    assert report["params"]["quantize"] is None
+    assert any("auto: training on the CPU" in line for line in report["events"])
+    trainstream.unwrap(model)
+
+
+def test_auto_picks_the_first_format_that_fits():
+    from trainstream._quantize import choose_quantize
+
+    model = _frozen_base()
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    block_values = sum(m.weight.numel() for b in trainstream.find_blocks(model) for m in b.modules()
+                       if isinstance(m, torch.nn.Linear))
+    rest = total - 4 * block_values  # fp32 weights
+    assert choose_quantize(model, total)[0] is None
+    assert choose_quantize(model, int(rest + 1.0625 * block_values) + 1)[0] == "int8"
+    fmt, why = choose_quantize(model, int(rest + 0.5625 * block_values) + 1)
+    assert fmt == "nf4" and "exceed" in why
+    with pytest.raises(MemoryError, match="even NF4"):
+        choose_quantize(model, int(rest + 0.5625 * block_values) - 1)
+
+
 def test_quantize_choices_are_checked():
-    with pytest.raises(ValueError, match="not available yet"):
-        trainstream.wrap(_frozen_base(), quantize="auto")
+    with pytest.raises(ValueError, match="quantize='auto' is not valid"):
+        trainstream.quantize_model(_frozen_base(), "auto")
     with pytest.raises(ValueError, match="quantize='fp4' is not valid"):
         trainstream.wrap(_frozen_base(), quantize="fp4")
     with pytest.raises(ValueError, match="freeze the base"):

@@ -35,7 +35,7 @@ class WrapOptions:
     lr: float = 1e-3
     seed: int = 0
     verbose: bool = False
-    quantize: str | None = None
+    quantize: str | None = "auto"
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

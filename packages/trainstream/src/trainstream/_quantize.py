@@ -12,21 +12,45 @@ from ts_quant import FORMATS, QuantLinear
 
 from ._blocks import find_blocks
 
-__all__ = ["QUANTIZE_CHOICES", "quantize_model"]
+__all__ = ["QUANTIZE_CHOICES", "choose_quantize", "quantize_model"]
 
-QUANTIZE_CHOICES = (None, False, "none", *FORMATS)
+QUANTIZE_CHOICES = ("auto", None, False, "none", *FORMATS)
+# Bytes per weight with the default blocks of 64 and fp32 scales (docs/quant.md).
+_BYTES_PER_WEIGHT = (("int8", 1.0625), ("nf4", 0.5625))
+GiB = 1 << 30
 
 
-def check_quantize(value) -> str | None:
-    """The format name, or None for no quantization; ValueError naming the valid values otherwise."""
+def check_quantize(value, allow_auto: bool = True) -> str | None:
+    """The format name, "auto", or None for no quantization; ValueError naming the valid values otherwise."""
     if value is None or value is False or value == "none":
         return None
-    if isinstance(value, str) and value in FORMATS:
+    if isinstance(value, str) and (value in FORMATS or (allow_auto and value == "auto")):
         return value
-    if value == "auto":
-        raise ValueError("quantize='auto' is not available yet; choose None, 'int8', 'nf4', 'fp8' or 'nvfp4'")
-    shown = ", ".join(repr(c) for c in QUANTIZE_CHOICES)
+    shown = ", ".join(repr(c) for c in QUANTIZE_CHOICES if allow_auto or c != "auto")
     raise ValueError(f"quantize={value!r} is not valid; use one of {shown}")
+
+
+def choose_quantize(model: torch.nn.Module, budget: int) -> tuple[str | None, str]:
+    """quantize="auto": (None, why) when the model's weights fit in `budget` bytes as they are, else the
+    first of int8, NF4 that makes the frozen block weights fit; MemoryError, with the numbers, when
+    neither does (weight paging is not built yet)."""
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    weights = [linear.weight for _, _, linear in _frozen_linears(find_blocks(model))]
+    frozen_bytes = sum(w.numel() * w.element_size() for w in weights)
+    frozen_values = sum(w.numel() for w in weights)
+    if total <= budget:
+        return None, f"the weights ({total / GiB:.2f} GiB) fit in {budget / GiB:.2f} GiB of usable VRAM as they are"
+    estimate = total
+    for fmt, bytes_per_weight in _BYTES_PER_WEIGHT:
+        estimate = total - frozen_bytes + frozen_values * bytes_per_weight
+        if estimate <= budget:
+            return fmt, (f"the weights ({total / GiB:.2f} GiB) exceed {budget / GiB:.2f} GiB of usable VRAM; "
+                         f"{fmt} frozen block weights bring them to {estimate / GiB:.2f} GiB")
+    raise MemoryError(
+        f"the weights need {total / GiB:.2f} GiB but only {budget / GiB:.2f} GiB of VRAM can be used; even NF4 "
+        f"frozen block weights ({frozen_values / 1e9:.2f} B values) leave {estimate / GiB:.2f} GiB. Freeze more of "
+        f"the model (LoRA), use a GPU with more memory, or lower vram_headroom; weight paging is not built yet."
+    )
 
 
 def _frozen_linears(blocks: list[torch.nn.Module]):
@@ -47,7 +71,7 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
     are never quantized). ``block_size``: values per scale (the format's default when None).
     Returns ``{"tensors", "bytes_before", "bytes_after"}``. Freeze the base (or add adapters) first.
     """
-    fmt = check_quantize(quantize)
+    fmt = check_quantize(quantize, allow_auto=False)
     if fmt is None:
         raise ValueError("quantize_model needs a format: 'int8', 'nf4', 'fp8' or 'nvfp4'")
     blocks = find_blocks(model) if blocks is None else list(blocks)

@@ -7,7 +7,8 @@ import torch
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW
 from ._options import parse_options
-from ._quantize import quantize_model
+from ._plan import vram_budget
+from ._quantize import choose_quantize, quantize_model
 from ._session import TrainStreamSession
 
 __all__ = ["unwrap", "wrap"]
@@ -42,15 +43,18 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = parse_options(options)
     device = _training_device(model, opts.device)
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
-    quantized = quantize_model(model, opts.quantize) if opts.quantize else None
+    fmt, why = _quantize_decision(model, device, opts)
+    quantized = quantize_model(model, fmt) if fmt else None
     if any(p.device != device for p in model.parameters()) or quantized:
         model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
     converted = to_offload_adamw(optimizer, model, opts.lr)
     session = TrainStreamSession(model, converted, opts, device)
+    if why:
+        session.events.add("quantize", why)
     if quantized:
-        session.quantized = {"quantize": opts.quantize, **quantized}
+        session.quantized = {"quantize": fmt, **quantized}
         session.events.add("quantize", f"{quantized['tensors']} frozen linear weights of the blocks stored as "
-                                       f"{opts.quantize}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
+                                       f"{fmt}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
                                        f"{quantized['bytes_after'] / 2**30:.2f} GiB")
     migrated = getattr(converted, "_migrated_state", None)
     if migrated:
@@ -59,6 +63,16 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     converted._session = session
     model._trainstream_session = session
     return model, converted
+
+
+def _quantize_decision(model: torch.nn.Module, device: torch.device, opts) -> tuple[str | None, str | None]:
+    """(format or None, why) for wrap()'s quantize option; "auto" measures the weights against the VRAM."""
+    if opts.quantize != "auto":
+        return opts.quantize, None
+    if device.type != "cuda":
+        return None, "auto: training on the CPU, no VRAM to fit; weights stay as they are"
+    fmt, why = choose_quantize(model, vram_budget(device, opts.vram_headroom))
+    return fmt, f"auto: {why}"
 
 
 def _migrate_state(session: TrainStreamSession, migrated: dict) -> None:
