@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_decode.cuh"
 #include "kernels.h"
 #include "ts/cuda_check.h"
 
@@ -17,8 +18,7 @@ namespace {
 constexpr int kThreads = 256;
 
 __constant__ float kNf4Codes[16] = {TS_QUANT_NF4_CODES};
-// e2m1 codes 0..15 as signed values (bit 3 is the sign; code 8 is -0.0).
-__constant__ float kE2m1Signed[16] = {TS_QUANT_E2M1_VALUES, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+__constant__ float kE2m1Signed[16] = {TS_QUANT_E2M1_SIGNED_VALUES};
 
 
 unsigned grid_for(int64_t items) { return static_cast<unsigned>((items + kThreads - 1) / kThreads); }

@@ -25,6 +25,9 @@ enum class Format : int { int8 = 0, nf4 = 1, fp8 = 2, nvfp4 = 3 };
 
 // OCP FP4 e2m1 magnitudes for codes 0..7 (bit 3 is the sign).
 #define TS_QUANT_E2M1_VALUES 0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f
+// All 16 e2m1 codes as signed values (code 8 is -0.0): the decode tables of the CUDA kernels.
+#define TS_QUANT_E2M1_SIGNED_VALUES \
+    TS_QUANT_E2M1_VALUES, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f
 
 constexpr float kNvfp4Max = 6.0f;      // largest e2m1 magnitude
 constexpr float kFp8Max = 448.0f;      // largest e4m3 magnitude

@@ -12,7 +12,7 @@ from ts_quant import FORMATS, QuantLinear
 
 from ._blocks import find_blocks
 
-__all__ = ["QUANTIZE_CHOICES", "choose_quantize", "quantize_model"]
+__all__ = ["QUANTIZE_CHOICES", "block_linears", "choose_quantize", "quantize_model", "size_estimates"]
 
 QUANTIZE_CHOICES = ("auto", None, False, "none", *FORMATS)
 # Bytes per weight with the default blocks of 64 and fp32 scales (docs/quant.md).
@@ -35,31 +35,36 @@ def choose_quantize(model: torch.nn.Module, budget: int) -> tuple[str | None, st
     first of int8, NF4 that makes the frozen block weights fit; MemoryError, with the numbers, when
     neither does (weight paging is not built yet)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    weights = [linear.weight for _, _, linear in _frozen_linears(find_blocks(model))]
-    frozen_bytes = sum(w.numel() * w.element_size() for w in weights)
-    frozen_values = sum(w.numel() for w in weights)
-    if total <= budget:
-        return None, f"the weights ({total / GiB:.2f} GiB) fit in {budget / GiB:.2f} GiB of usable VRAM as they are"
-    estimate = total
-    for fmt, bytes_per_weight in _BYTES_PER_WEIGHT:
-        estimate = total - frozen_bytes + frozen_values * bytes_per_weight
+    weights = [linear.weight for _, _, linear in block_linears(find_blocks(model))]
+    estimates = size_estimates(total, weights)
+    for fmt, estimate in estimates:
         if estimate <= budget:
+            if fmt is None:
+                return None, f"the weights ({total / GiB:.2f} GiB) fit in {budget / GiB:.2f} GiB of usable VRAM as they are"
             return fmt, (f"the weights ({total / GiB:.2f} GiB) exceed {budget / GiB:.2f} GiB of usable VRAM; "
                          f"{fmt} frozen block weights bring them to {estimate / GiB:.2f} GiB")
     raise MemoryError(
         f"the weights need {total / GiB:.2f} GiB but only {budget / GiB:.2f} GiB of VRAM can be used; even NF4 "
-        f"frozen block weights ({frozen_values / 1e9:.2f} B values) leave {estimate / GiB:.2f} GiB. Freeze more of "
-        f"the model (LoRA), use a GPU with more memory, or lower vram_headroom; weight paging is not built yet."
+        f"frozen block weights ({sum(w.numel() for w in weights) / 1e9:.2f} B values) leave "
+        f"{estimates[-1][1] / GiB:.2f} GiB. Freeze more of the model (LoRA), use a GPU with more memory, or lower "
+        f"vram_headroom; weight paging is not built yet."
     )
 
 
-def _frozen_linears(blocks: list[torch.nn.Module]):
-    """(parent, attribute name, linear) for every frozen nn.Linear inside the blocks."""
+def block_linears(blocks: list[torch.nn.Module], frozen_only: bool = True):
+    """(parent, attribute name, linear) for every nn.Linear (frozen ones only, by default) inside the blocks."""
     for block in blocks:
         for parent in block.modules():
             for name, child in parent.named_children():
-                if type(child) is torch.nn.Linear and not child.weight.requires_grad:
+                if type(child) is torch.nn.Linear and not (frozen_only and child.weight.requires_grad):
                     yield parent, name, child
+
+
+def size_estimates(total: int, weights: list[torch.Tensor]) -> list[tuple[str | None, float]]:
+    """(format, bytes of the whole model) as it is (None), then with `weights` stored int8, then NF4."""
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    values = sum(w.numel() for w in weights)
+    return [(None, float(total))] + [(fmt, total - weight_bytes + values * b) for fmt, b in _BYTES_PER_WEIGHT]
 
 
 def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: list[torch.nn.Module] | None = None,
@@ -77,7 +82,7 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if not blocks:
         raise ValueError("quantize_model found no repeated blocks in this model; pass blocks=[...]")
-    targets = list(_frozen_linears(blocks))
+    targets = list(block_linears(blocks))
     if not targets and any(p.requires_grad for b in blocks for p in b.parameters()):
         raise ValueError("the blocks' linear weights are all trainable: freeze the base (or add adapters) first")
     before = after = 0

@@ -24,6 +24,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include "cuda_decode.cuh"
 #include "fused_linear.h"
 #include "sm90/ptx.cuh"
 #include "sm90/wgmma_ops.cuh"
@@ -50,7 +51,7 @@ constexpr int kProducerRegisters = 40;
 #endif
 
 __constant__ float kFusedNf4[16] = {TS_QUANT_NF4_CODES};
-__constant__ float kFusedE2m1[16] = {TS_QUANT_E2M1_VALUES, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+__constant__ float kFusedE2m1[16] = {TS_QUANT_E2M1_SIGNED_VALUES};
 
 struct FusedArgs {
     const uint8_t* scales;     // fp32 per block, or e4m3 bytes (nvfp4)
@@ -93,14 +94,6 @@ struct StageLayout {
     static constexpr size_t kSmem = 1024 + size_t(kStages) * kBytes + kOutBytes + 2 * kStages * sizeof(uint64_t);
 };
 
-// exact e4m3 decode, as in the dequantize kernels
-__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
-    const uint32_t em = byte & 0x7fu;
-    const float magnitude = __uint_as_float(em << 20) * 0x1p120f;
-    const float v = (byte & 0x80u) ? -magnitude : magnitude;
-    return em == 0x7fu ? __uint_as_float(0x7fc00000u) : v;
-}
-
 // One row's codes and scales for one 64-wide k tile, as lane t of its quad
 // decodes them.
 template <Format F>
@@ -119,7 +112,7 @@ struct RowCodes {
         if constexpr (F == Format::nvfp4) {  // blocks of 16: one e4m3 scale per k16 step
             const uint32_t bytes = *reinterpret_cast<const uint32_t*>(scales);
 #pragma unroll
-            for (int s = 0; s < 4; ++s) scale[s] = e4m3_to_float((bytes >> (8 * s)) & 0xffu) * global;
+            for (int s = 0; s < 4; ++s) scale[s] = e4m3_value((bytes >> (8 * s)) & 0xffu) * global;
         } else {  // blocks of 32 (steps 0-1 and 2-3) or >= 64 (one scale)
             const float2 f = *reinterpret_cast<const float2*>(scales);
 #pragma unroll

@@ -20,7 +20,7 @@ from ts_quant import QuantLinear
 from ts_quant import quantize as quantize_tensor
 
 from .._blocks import find_blocks
-from .._quantize import check_quantize
+from .._quantize import block_linears, check_quantize, size_estimates
 
 __all__ = ["load_model"]
 
@@ -68,31 +68,23 @@ def _checkpoint_files(name_or_path: str) -> list[str]:
     return files
 
 
-def _choose_quantize(value, model: torch.nn.Module, dtype: torch.dtype, ram_fraction: float) -> str | None:
-    """'auto': None if the model fits in ram_fraction of the available RAM at `dtype`, else int8, else nf4."""
+def _choose_quantize(value, model: torch.nn.Module, ram_fraction: float) -> str | None:
+    """'auto': None if the model fits in ram_fraction of the available RAM as built, else int8, else NF4."""
     if value != "auto":
         return check_quantize(value)
-    values = sum(p.numel() for p in model.parameters())
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    weights = [linear.weight for _, _, linear in block_linears(find_blocks(model), frozen_only=False)]
     budget = ram_fraction * _pinned_core.host_memory()["available"]
-    block_values = sum(m.weight.numel() for b in find_blocks(model) for m in b.modules()
-                       if type(m) is torch.nn.Linear)
-    size = dtype.itemsize
-    if values * size <= budget:
-        return None
-    if (values - block_values) * size + block_values * 1.0625 <= budget:
-        return "int8"
-    return "nf4"
+    return next((fmt for fmt, size in size_estimates(total, weights) if size <= budget), "nf4")
 
 
 def _block_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
     """Qualified weight name -> (parent module, attribute) for every nn.Linear of the block stack."""
-    in_blocks = {id(m) for b in find_blocks(model) for m in b.modules()}
+    names = {id(module): name for name, module in model.named_modules()}
     found = {}
-    for parent_name, parent in model.named_modules():
-        for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear and id(child) in in_blocks:
-                prefix = f"{parent_name}.{name}" if parent_name else name
-                found[f"{prefix}.weight"] = (parent, name)
+    for parent, attr, _ in block_linears(find_blocks(model), frozen_only=False):
+        prefix = f"{names[id(parent)]}.{attr}" if names[id(parent)] else attr
+        found[f"{prefix}.weight"] = (parent, attr)
     return found
 
 
@@ -137,7 +129,7 @@ def load_model(name_or_path: str, *, quantize: str | None = "auto", dtype: torch
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **config_overrides)
     with _parameters_on_meta(), _default_dtype(dtype):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    fmt = _choose_quantize(quantize, model, dtype, ram_fraction)
+    fmt = _choose_quantize(quantize, model, ram_fraction)
     targets = _block_linears(model) if fmt else {}
     if random_weights:
         _materialize_random(model, targets, fmt, quant_block_size, dtype)
