@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trainstream import cli
 from trainstream._demo_text import byte_batches
 
@@ -26,3 +31,73 @@ def test_byte_batches_are_reproducible_and_in_range():
     b = list(byte_batches(3, 40, 4, seed=5))
     assert all((x == y).all() for x, y in zip(a, b))
     assert all(x.shape == (3, 40) and int(x.max()) < 256 for x in a)
+
+
+def _refused(argv, capsys, monkeypatch):
+    """main(argv) must stop in argparse (exit code 2) before building a model; returns stderr."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("a model was built before the options were checked")
+
+    monkeypatch.setattr(cli, "build_model", no_work)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, not nan"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, not -1"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0"),
+    (["--lr", "fast"], "argument --lr: takes a finite number > 0, not 'fast'"),
+    (["--max-grad-norm", "-1"], "argument --max-grad-norm: must be a finite number > 0, not -1"),
+    (["--max-grad-norm", "0"], "argument --max-grad-norm: must be a finite number > 0"),
+    (["--vram-gb", "-5"], "argument --vram-gb: must be a finite number > 0, not -5"),
+    (["--device", "tpu"], "argument --device: takes cpu, cuda or cuda:N, not 'tpu'"),
+    (["--device", "cpu:0"], "argument --device: takes cpu, cuda or cuda:N"),
+    (["--device", "cuda:x"], "argument --device: takes cpu, cuda or cuda:N"),
+    (["--steps", "0"], "argument --steps: must be an integer >= 1, not 0"),
+    (["--batch", "0"], "argument --batch: must be an integer >= 1, not 0"),
+    (["--seq", "0"], "argument --seq: must be an integer >= 1, not 0"),
+    (["--seq", "1.5"], "argument --seq: takes an integer >= 1, not '1.5'"),
+    (["--seed", "-3"], "argument --seed: must be an integer in [0, 2**32)"),
+])
+def test_bad_values_are_argparse_errors_before_any_work(argv, message, capsys, monkeypatch):
+    assert message in _refused(argv, capsys, monkeypatch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_up_front(capsys, monkeypatch):
+    assert "argument --device: cuda:0: torch" in _refused(["--device", "cuda:0"], capsys, monkeypatch)
+
+
+def test_an_unwritable_json_path_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "no-such-folder" / "run.json"
+    err = _refused(["--json", str(missing)], capsys, monkeypatch)
+    assert "argument --json:" in err and "does not exist" in err
+    assert "is a folder" in _refused(["--json", str(tmp_path)], capsys, monkeypatch)
+    # Refused by the kernel even for root: the check opens the file, it does not guess from mode bits.
+    assert "cannot be written" in _refused(["--json", "/proc/trainstream-run.json"], capsys, monkeypatch)
+    assert not missing.parent.exists()
+
+
+def test_the_json_check_leaves_no_file_and_keeps_an_existing_one(tmp_path):
+    fresh = tmp_path / "fresh.json"
+    assert cli._parse(["--json", str(fresh)]).json == str(fresh)
+    assert not fresh.exists()  # no stray file if the run never gets to the end
+    old = tmp_path / "old.json"
+    old.write_text("keep")
+    cli._parse(["--json", str(old)])
+    assert old.read_text() == "keep"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_lr_is_accepted_exactly_when_finite_and_positive(value):
+    good = math.isfinite(value) and value > 0
+    try:
+        parsed = cli._parse(["--lr", repr(value)]).lr
+    except SystemExit as stopped:
+        assert stopped.code == 2 and not good
+    else:
+        assert good and parsed == value

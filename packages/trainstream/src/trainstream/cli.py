@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 
@@ -37,28 +39,92 @@ def build_model(size: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module
     return Qwen2ForCausalLM(config).to(dtype)
 
 
+# argparse `type=` validators: a bad value becomes "argument --X: <message>", exit code 2, before any work.
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a finite number > 0, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer in [0, 2**32), not {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), not {value}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    kind, colon, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"takes cpu, cuda or cuda:N, not {text!r}")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text}: torch {torch.__version__} sees no GPU; use cpu")
+        if colon and int(index) >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has cuda:0..cuda:{count - 1}")
+    return torch.device(text)
+
+
+def _json_path(text: str) -> str:
+    """A file the run can write at the end, checked now without creating or truncating anything."""
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):  # append: an existing file keeps its contents
+            pass
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text} cannot be written ({error.strerror})") from None
+    if not existed:
+        os.unlink(path)  # leave no stray file if the run fails before the end
+    return path
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="trainstream", description=__doc__)
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto",
                         help="model size (auto: tiny on the CPU, small on a GPU)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--vram-gb", type=float, default=None, help="cap this process's VRAM, in GB")
+    parser.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30)")
+    parser.add_argument("--batch", type=_positive_int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq", type=_positive_int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--lr", type=_positive_float, default=1e-3,
+                        help="AdamW learning rate, > 0 (default 1e-3)")
+    parser.add_argument("--device", type=_device, default=None,
+                        help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--vram-gb", type=_positive_float, default=None,
+                        help="cap this process's VRAM, in GB (> 0)")
     parser.add_argument("--optimizer-mode", choices=["cpu", "gpu", "auto"], default="cpu")
     parser.add_argument("--offload", choices=["auto", "on"], default="on",
                         help="on: keep the optimizer in host memory; auto: move it to VRAM if it fits")
     parser.add_argument("--moment-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    parser.add_argument("--max-grad-norm", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the step times, losses and report here")
-    args = parser.parse_args(argv)
-    for name in ("steps", "batch", "seq"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    return args
+    parser.add_argument("--max-grad-norm", type=_positive_float, default=None,
+                        help="clip the gradient norm to this (> 0; default: no clipping)")
+    parser.add_argument("--seed", type=_seed, default=0, help="integer in [0, 2**32) (default 0)")
+    parser.add_argument("--json", type=_json_path, default=None,
+                        help="write the step times, losses and report here (checked before training)")
+    return parser.parse_args(argv)
 
 
 def _progress(step: int, total: int, loss: float, seconds: float) -> None:
@@ -76,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainstream._demo_text import byte_batches
 
     args = _parse(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device} asked for CUDA, but torch {torch.__version__} sees no GPU")
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size if args.size != "auto" else ("small" if device.type == "cuda" else "tiny")
     if SIZES[size]["vocab_size"] != 256:
         print(f"note: {size} has a {SIZES[size]['vocab_size']}-token vocabulary; the built-in text uses ids 0..255")
