@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 import trainstream
@@ -50,6 +53,36 @@ def test_matches_the_stock_trainer(tmp_path):
     assert session.config.accumulation_steps == 2 and session.config.max_grad_norm == 0.5
     for a, b in zip(ours.model.parameters(), stock.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def _fields(args):
+    return {f.name: copy.deepcopy(getattr(args, f.name)) for f in dataclasses.fields(args)}
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_the_users_training_arguments_are_left_untouched(tmp_path, positional):
+    args = _args(tmp_path / "shared")
+    before = _fields(args)
+    if positional:
+        ours = TrainStreamTrainer(tiny_llama(), args, train_dataset=_Rows())
+    else:
+        ours = TrainStreamTrainer(model=tiny_llama(), args=args, train_dataset=_Rows())
+    ours.train()
+    assert ours.args is not args and ours.args.max_grad_norm == 0.0  # the Trainer's copy: the optimizer clips
+    assert args.max_grad_norm == 0.5
+    assert _fields(args) == before
+    # A stock Trainer reusing the same arguments still clips: it trains exactly as one given fresh ones.
+    reused = Trainer(model=tiny_llama(), args=args, train_dataset=_Rows())
+    reused.train()
+    fresh = Trainer(model=tiny_llama(), args=_args(tmp_path / "fresh"), train_dataset=_Rows())
+    fresh.train()
+    unclipped = Trainer(model=tiny_llama(), args=_args(tmp_path / "unclipped", max_grad_norm=0.0),
+                        train_dataset=_Rows())
+    unclipped.train()
+    assert all(h["grad_norm"] > 0.5 for h in reused.state.log_history if "grad_norm" in h)
+    for a, b in zip(reused.model.parameters(), fresh.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(not torch.allclose(a, b) for a, b in zip(reused.model.parameters(), unclipped.model.parameters()))
 
 
 def test_resume_from_checkpoint_continues(tmp_path):

@@ -8,6 +8,7 @@ never exist during training.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -17,9 +18,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'") from error
 
-from .._losses import causal_lm_loss, sequence_logprobs
-from .._optimizer import OffloadAdamW
-from .._wrap import wrap
+from .. import OffloadAdamW, causal_lm_loss, sequence_logprobs, wrap
 from .hf_loading import load_model
 
 __all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "load_model", "reference_logprobs",
@@ -104,7 +103,8 @@ class TrainStreamTrainer(Trainer):
     ``trainstream``: any ``wrap()`` option, plus ``"chunked_loss"`` (default True) and
     ``"loss_chunk_size"`` (default 1024). The Trainer's AdamW (groups, learning rate, schedule) is
     converted; ``max_grad_norm`` and ``gradient_accumulation_steps`` move into the optimizer, since
-    gradients leave the GPU before the Trainer would clip them. fp16 loss scaling is refused.
+    gradients leave the GPU before the Trainer would clip them (on the Trainer's own copy of the
+    ``TrainingArguments``: the caller's object is never changed). fp16 loss scaling is refused.
     """
 
     def __init__(self, *args, trainstream: dict | None = None, **kwargs):
@@ -119,6 +119,12 @@ class TrainStreamTrainer(Trainer):
             if name in options:
                 raise ValueError(f"trainstream={{'{name}': ...}} comes from TrainingArguments here; set it there")
         self._ts_options = options
+        # The Trainer's clipping is switched off below on a copy: the caller may reuse its arguments
+        # with a stock Trainer, which must still clip. Shallow: only scalar fields change here.
+        if len(args) > 1 and args[1] is not None:
+            args = (args[0], copy.copy(args[1]), *args[2:])
+        elif kwargs.get("args") is not None:
+            kwargs["args"] = copy.copy(kwargs["args"])
         super().__init__(*args, **kwargs)
         if self.args.fp16:
             raise ValueError("TrainStreamTrainer does not support fp16 with loss scaling; use bf16=True or fp32")
@@ -134,7 +140,7 @@ class TrainStreamTrainer(Trainer):
                                         max_grad_norm=norm if norm and norm > 0 else None,
                                         accumulation_steps=self.args.gradient_accumulation_steps,
                                         **self._ts_options)
-            self.args.max_grad_norm = 0.0  # the optimizer clips; the Trainer's grads are already gone
+            self.args.max_grad_norm = 0.0  # our copy: the optimizer clips; the Trainer's grads are already gone
         return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
