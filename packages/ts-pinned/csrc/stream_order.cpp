@@ -112,39 +112,34 @@ const DriverOps& usable_ops(const char* fn) {
                             "see ts_pinned.stream_value_ops_available().");
 }
 
-// Binds the stream's device (its primary context) to this thread for the
-// driver call, and restores the caller's device. A thread that never used
-// the runtime has no current context, which the driver needs for handle 0.
-class StreamDevice {
-public:
-    explicit StreamDevice(cudaStream_t stream) {
-        TS_CUDA_CHECK(cudaGetDevice(&previous_));
-        int device = previous_;
-        TS_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
-        TS_CUDA_CHECK(cudaSetDevice(device));
-        changed_ = device != previous_;
-    }
-    ~StreamDevice() {
-        if (changed_) cudaSetDevice(previous_);
-    }
-    StreamDevice(const StreamDevice&) = delete;
-    StreamDevice& operator=(const StreamDevice&) = delete;
-
-private:
-    int previous_ = 0;
-    bool changed_ = false;
-};
+// Runs a driver stream operation with the stream's device current, and
+// restores the caller's device. A thread that never used the runtime has no
+// current context, which the driver needs for handle 0: bind the device's
+// primary context (cudaSetDevice) and retry once. The common path costs two
+// runtime queries; cudaSetDevice only when the devices differ.
+template <typename Op>
+CUresult on_stream_device(cudaStream_t stream, Op op) {
+    int previous = 0, device = 0;
+    TS_CUDA_CHECK(cudaGetDevice(&previous));
+    TS_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
+    if (device != previous) TS_CUDA_CHECK(cudaSetDevice(device));
+    CUresult r = op();
+    if (r == CUDA_ERROR_INVALID_CONTEXT && cudaSetDevice(device) == cudaSuccess) r = op();
+    if (device != previous) cudaSetDevice(previous);
+    return r;
+}
 
 void write_value(nb::handle stream, nb::handle address, nb::handle value) {
     const char* fn = "stream_write_value";
     Args a = check_args(stream, address, value, fn);
     const DriverOps& ops = usable_ops(fn);
     auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a.stream));
-    StreamDevice device(s);
     // Default flags: the write is a memory barrier, ordered after every
     // prior write of the stream (the upload it announces is visible first).
-    CUresult r = ops.write(reinterpret_cast<CUstream>(s), static_cast<CUdeviceptr>(a.address),
-                           static_cast<cuuint64_t>(a.value), CU_STREAM_WRITE_VALUE_DEFAULT);
+    CUresult r = on_stream_device(s, [&] {
+        return ops.write(reinterpret_cast<CUstream>(s), static_cast<CUdeviceptr>(a.address),
+                         static_cast<cuuint64_t>(a.value), CU_STREAM_WRITE_VALUE_DEFAULT);
+    });
     if (r != CUDA_SUCCESS) driver_failed(ops, r, fn, "cuStreamWriteValue64", a);
 }
 
@@ -153,9 +148,10 @@ void wait_value(nb::handle stream, nb::handle address, nb::handle value) {
     Args a = check_args(stream, address, value, fn);
     const DriverOps& ops = usable_ops(fn);
     auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a.stream));
-    StreamDevice device(s);
-    CUresult r = ops.wait(reinterpret_cast<CUstream>(s), static_cast<CUdeviceptr>(a.address),
-                          static_cast<cuuint64_t>(a.value), CU_STREAM_WAIT_VALUE_GEQ);
+    CUresult r = on_stream_device(s, [&] {
+        return ops.wait(reinterpret_cast<CUstream>(s), static_cast<CUdeviceptr>(a.address),
+                        static_cast<cuuint64_t>(a.value), CU_STREAM_WAIT_VALUE_GEQ);
+    });
     if (r != CUDA_SUCCESS) driver_failed(ops, r, fn, "cuStreamWaitValue64", a);
 }
 
@@ -209,10 +205,13 @@ bool value_ops_available(int device) {
 }  // namespace
 
 void register_stream_order(nb::module_& m) {
-    m.def("stream_write_value", &write_value, nb::arg("stream"), nb::arg("address"), nb::arg("value"),
+    // Checked by hand (as_u64), so None and bools reach the clear errors.
+    m.def("stream_write_value", &write_value, nb::arg("stream").none(), nb::arg("address").none(),
+          nb::arg("value").none(), nb::sig("def stream_write_value(stream: int, address: int, value: int) -> None"),
           "Enqueues on CUDA stream `stream` (an int handle) a write of the uint64 `value` to the device "
           "address `address`, after all prior work of the stream (with a memory barrier). Never blocks.");
-    m.def("stream_wait_value", &wait_value, nb::arg("stream"), nb::arg("address"), nb::arg("value"),
+    m.def("stream_wait_value", &wait_value, nb::arg("stream").none(), nb::arg("address").none(),
+          nb::arg("value").none(), nb::sig("def stream_wait_value(stream: int, address: int, value: int) -> None"),
           "Enqueues on CUDA stream `stream` a wait until the uint64 at device address `address` is >= "
           "`value` (cyclic: (int64)(*address - value) >= 0); later work of the stream waits. Never blocks.");
     m.def("stream_value_ops_available", &value_ops_available, nb::arg("device") = 0,
