@@ -6,7 +6,7 @@
 from ts_pinned import reserve_pinned
 
 from ._blocks import find_blocks
-from ._channel import transfer_stats
+from .engine import transfer_stats
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
 from ._quantize import quantize_model

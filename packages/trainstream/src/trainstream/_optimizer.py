@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
+from .engine import SlotState, interrupts
+
 __all__ = ["OffloadAdamW"]
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize")
+
+
+def check_hyper(values: dict, where: str) -> None:
+    """ValueError naming `where` and the valid range for any bad AdamW hyper-parameter in `values`."""
+    for key in ("lr", "eps", "weight_decay"):
+        if key in values:
+            v = values[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{where}{key}={v!r} is not valid; use a finite number >= 0")
+    if "betas" in values:
+        b = values["betas"]
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x < 1.0 for x in b)):
+            raise ValueError(f"{where}betas={b!r} is not valid; use two numbers in [0, 1)")
+    if "maximize" in values and not isinstance(values["maximize"], bool):
+        raise ValueError(f"{where}maximize={values['maximize']!r} is not valid; use True or False")
+    if values.get("amsgrad"):
+        raise ValueError(f"{where}amsgrad=True is not supported by OffloadAdamW; use amsgrad=False")
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -17,6 +40,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     ``param_groups`` stay editable (schedulers work): each update reads its
     group's hyper-parameters when its gradient arrives. ``state_dict()`` is in
     ``torch.optim.AdamW``'s format plus ``master_param`` (fp32) per parameter.
+    After ``unwrap()`` the state is kept in ``.state`` (that format), and a later
+    ``wrap()`` with this optimizer continues from it.
 
     ``mode`` (``"cpu"``, ``"gpu"``, ``"auto"``), ``max_grad_norm``, ``accumulation_steps`` and
     ``moment_dtype`` are the engine settings ``wrap()`` uses for this optimizer unless its own
@@ -27,17 +52,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  mode: str | None = None, max_grad_norm: float | None = None,
                  accumulation_steps: int | None = None, moment_dtype: str | torch.dtype | None = None):
-        if not lr >= 0.0:
-            raise ValueError(f"lr={lr!r} is not valid; use a number >= 0")
-        if not eps >= 0.0:
-            raise ValueError(f"eps={eps!r} is not valid; use a number >= 0")
-        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas={betas!r} is not valid; use two numbers in [0, 1)")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay={weight_decay!r} is not valid; use a number >= 0")
+        check_hyper({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}, "")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
-        super().__init__(params, defaults)
         self._session = None  # set by wrap()
+        super().__init__(params, defaults)
         # Engine settings given here are wrap()'s defaults for this optimizer (wrap() validates them).
         given = {"optimizer_mode": mode, "max_grad_norm": max_grad_norm,
                  "accumulation_steps": accumulation_steps, "moment_dtype": moment_dtype}
@@ -48,21 +66,29 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise RuntimeError("this OffloadAdamW is not attached to a model; call trainstream.wrap(model, optimizer) first")
         return self._session
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_session", None) is not None:
+            raise RuntimeError("add_param_group() after wrap() is not supported: trainstream.unwrap(model), add the "
+                               "group, then wrap(model, optimizer) again (the state of the other groups is kept)")
+        check_hyper(param_group, f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
+
     @torch.no_grad()
     def step(self, closure=None):
         """Queues the updates whose gradients have arrived; returns without waiting for them."""
+        session = self._engine_or_raise()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine_or_raise().optimizer_step()
+        session.optimizer_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients already left the GPU; this drops any that wait for a step that never came."""
         session = self._session
         if session is not None:
-            session.engine.discard_arrived()
+            session.engine.discard()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -71,14 +97,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         session = self._engine_or_raise()
         session.synchronize()
         state = {}
-        for slot in session.engine.slots:
-            shape = slot.param.shape
-            state[slot.index] = {
-                "step": torch.tensor(float(slot.step)),
-                "exp_avg": slot.exp_avg.detach().to("cpu", copy=True).view(shape),
-                "exp_avg_sq": slot.exp_avg_sq.detach().to("cpu", copy=True).view(shape),
-                "master_param": slot.master.detach().to("cpu", copy=True).view(shape),
-            }
+        for slot in session.engine.active:
+            if slot.weight_changed():
+                slot.follow_weight()  # a weight edited since the last update is what training continues from
+            state[slot.index] = slot.export()
         groups = []
         index = 0
         for group in self.param_groups:
@@ -89,36 +111,69 @@ class OffloadAdamW(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a state dict from OffloadAdamW or torch.optim.AdamW (fp32 masters then come
-        from the current weights). The weights are rewritten from the masters."""
+        """Loads a state dict from OffloadAdamW or torch.optim.AdamW (fp32 masters then come from the
+        current weights); the weights are rewritten from the masters. Everything is checked first:
+        on any error nothing has changed."""
         session = self._engine_or_raise()
-        groups = state_dict.get("param_groups")
-        if groups is None or len(groups) != len(self.param_groups):
-            raise ValueError("state_dict has a different number of param groups than this optimizer")
-        for mine, theirs in zip(self.param_groups, groups):
-            if len(mine["params"]) != len(theirs["params"]):
-                raise ValueError("state_dict's param groups hold different numbers of parameters")
+        groups, entries = _validated(self, state_dict, {s.index: s for s in session.engine.slots})
         session.synchronize()
-        by_index = {s.index: s for s in session.engine.slots}
-        saved = state_dict.get("state", {})
-        for key, value in saved.items():
-            slot = by_index.get(int(key))
-            if slot is None:
-                raise ValueError(f"state_dict has state for parameter {key}, which this optimizer does not train")
-            for name in ("exp_avg", "exp_avg_sq"):
-                if value[name].numel() != slot.numel:
-                    raise ValueError(f"state_dict's {name} for parameter {key} has {value[name].numel()} values, "
-                                     f"the parameter has {slot.numel}")
-        for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = tuple(v) if k == "betas" else v
-        for key, value in saved.items():
-            slot = by_index[int(key)]
-            slot.step = int(float(value["step"]))
-            slot.exp_avg.copy_(value["exp_avg"].reshape(-1))
-            slot.exp_avg_sq.copy_(value["exp_avg_sq"].reshape(-1))
-            master = value.get("master_param")
-            slot.master.copy_((master if master is not None else slot.param.detach()).reshape(-1))
-            slot.param.data.copy_(slot.master.view(slot.param.shape))
+        for slot in [slot for slot, _ in entries if slot.state is SlotState.DORMANT]:
+            session.engine.activate(slot)  # state for a parameter frozen at wrap(): it trains from it
+        session.engine.discard()  # gradients held for the old state's step do not carry over
+        with torch.no_grad(), interrupts.critical():
+            for mine, theirs in zip(self.param_groups, groups):
+                for k, v in theirs.items():
+                    if k != "params":
+                        mine[k] = tuple(v) if k == "betas" else v
+            for slot, (step, exp_avg, exp_avg_sq, master) in entries:
+                slot.load(step, exp_avg, exp_avg_sq, master)
         session.synchronize()
+
+
+def _validated(optimizer: OffloadAdamW, state_dict: dict, by_index: dict) -> tuple[list, list]:
+    """(groups, [(slot, (step, exp_avg, exp_avg_sq, master or None))]) or ValueError; reads only."""
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+        raise ValueError("state_dict needs 'param_groups' (and 'state'), as optimizer.state_dict() returns")
+    groups = state_dict["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}")
+    for number, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
+        if len(mine["params"]) != len(theirs["params"]):
+            raise ValueError(f"param group {number} holds {len(theirs['params'])} parameters in state_dict, "
+                             f"{len(mine['params'])} here")
+        check_hyper(theirs, f"state_dict param group {number}: ")
+    entries = []
+    for key, value in state_dict.get("state", {}).items():
+        slot = by_index.get(int(key))
+        if slot is None:
+            raise ValueError(f"state_dict has state for parameter {key}, which this optimizer does not train")
+        entries.append((slot, _checked_entry(slot, key, value)))
+    return groups, entries
+
+
+def _checked_entry(slot, key, value: dict) -> tuple:
+    where = f"state_dict's state for parameter {key}"
+    missing = [name for name in ("step", "exp_avg", "exp_avg_sq") if name not in value]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
+    step = value["step"]
+    step = float(step.item() if isinstance(step, torch.Tensor) else step)
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise ValueError(f"{where}: step={step!r} is not valid; use a whole number >= 0")
+    tensors = []
+    for name in ("exp_avg", "exp_avg_sq", "master_param"):
+        t = value.get(name)
+        if t is None and name == "master_param":
+            tensors.append(None)
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{where}: {name} must be a floating-point tensor, not {type(t).__name__}"
+                             + (f" of {t.dtype}" if isinstance(t, torch.Tensor) else ""))
+        if t.numel() != slot.numel:
+            raise ValueError(f"{where}: {name} has {t.numel()} values, {slot.label} has {slot.numel}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: {name} holds non-finite values")
+        tensors.append(t)
+    if bool((tensors[1] < 0).any()):
+        raise ValueError(f"{where}: exp_avg_sq has negative values")
+    return (int(step), *tensors)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
+import ts_adamw
 
 from ._quantize import check_quantize
 
@@ -36,6 +38,7 @@ class WrapOptions:
     seed: int = 0
     verbose: bool = False
     quantize: str | None = "auto"
+    guard_params: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -76,18 +79,44 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     opts.quantize = check_quantize(opts.quantize)
     for name in _CHOICES:
         setattr(opts, name, _choice(name, getattr(opts, name)))
-    if opts.max_grad_norm is not None and not (isinstance(opts.max_grad_norm, (int, float)) and opts.max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm={opts.max_grad_norm!r} is not valid; use None or a positive number")
-    if isinstance(opts.accumulation_steps, bool) or not isinstance(opts.accumulation_steps, int) or opts.accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps={opts.accumulation_steps!r} is not valid; use an integer >= 1")
-    if opts.threads is not None and (isinstance(opts.threads, bool) or not isinstance(opts.threads, int) or opts.threads < 1):
-        raise ValueError(f"threads={opts.threads!r} is not valid; use None (all physical cores) or an integer >= 1")
-    if not isinstance(opts.vram_headroom, (int, float)) or not 0.0 <= opts.vram_headroom < 1.0:
-        raise ValueError(f"vram_headroom={opts.vram_headroom!r} is not valid; use a fraction in [0, 1)")
-    if not isinstance(opts.lr, (int, float)) or opts.lr < 0:
-        raise ValueError(f"lr={opts.lr!r} is not valid; use a number >= 0")
-    for flag in ("check_memory", "verbose"):
+    if opts.max_grad_norm is not None:
+        opts.max_grad_norm = _real("max_grad_norm", opts.max_grad_norm, "None or a finite number > 0", positive=True)
+    opts.accumulation_steps = _integer("accumulation_steps", opts.accumulation_steps, 1, _MAX_INT32)
+    if opts.threads is not None:
+        opts.threads = _integer("threads", opts.threads, 1, thread_limit(), "None (all usable cores) or ")
+    opts.vram_headroom = _real("vram_headroom", opts.vram_headroom, "a fraction in [0, 1)", upper=1.0)
+    opts.lr = _real("lr", opts.lr, "a finite number >= 0")
+    opts.seed = _integer("seed", opts.seed, 0, 2**63 - 1)
+    for flag in ("check_memory", "verbose", "guard_params"):
         if not isinstance(getattr(opts, flag), bool):
             raise ValueError(f"{flag}={getattr(opts, flag)!r} is not valid; use True or False")
     opts.device = _device(opts.device)
     return opts
+
+
+_MAX_INT32 = 2**31 - 1
+
+
+def thread_limit() -> int:
+    """The most host threads ``threads=`` accepts: what ts-adamw allows for the cores this process may use."""
+    limit = getattr(ts_adamw, "max_host_threads", None)
+    if limit is not None:
+        return int(limit())
+    import os
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 4 * usable
+
+
+def _integer(name: str, value: Any, low: int, high: int, prefix: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is not valid; use {prefix}an integer in [{low}, {high}]")
+    return int(value)
+
+
+def _real(name: str, value: Any, valid: str, *, positive: bool = False, upper: float | None = None) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > 0 if positive else value >= 0) and (upper is None or value < upper)
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not valid; use {valid}")
+    return float(value)

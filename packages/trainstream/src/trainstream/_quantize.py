@@ -68,13 +68,15 @@ def size_estimates(total: int, weights: list[torch.Tensor]) -> list[tuple[str | 
 
 
 def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: list[torch.nn.Module] | None = None,
-                   block_size: int | None = None) -> dict:
+                   block_size: int | None = None, _replaced: list | None = None) -> dict:
     """Replaces each frozen ``nn.Linear`` of the repeated blocks by a ``ts_quant.QuantLinear`` holding its
     weight in ``quantize`` (``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"``), on the weight's device.
 
     ``blocks``: the modules to search (default ``find_blocks(model)``: embeddings and the output layer
     are never quantized). ``block_size``: values per scale (the format's default when None).
     Returns ``{"tensors", "bytes_before", "bytes_after"}``. Freeze the base (or add adapters) first.
+    All or nothing: if one layer fails, the layers already replaced are put back.
+    (``_replaced``, internal: receives each ``(parent, name, original)`` swapped, for wrap()'s undo.)
     """
     fmt = check_quantize(quantize, allow_auto=False)
     if fmt is None:
@@ -86,10 +88,19 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
     if not targets and any(p.requires_grad for b in blocks for p in b.parameters()):
         raise ValueError("the blocks' linear weights are all trainable: freeze the base (or add adapters) first")
     before = after = 0
-    with torch.no_grad():
-        for parent, name, linear in targets:
-            layer = QuantLinear.from_linear(linear, fmt, block_size)
-            before += linear.weight.numel() * linear.weight.element_size()
-            after += layer.qweight.nbytes
-            setattr(parent, name, layer)
+    replaced = []
+    try:
+        with torch.no_grad():
+            for parent, name, linear in targets:
+                layer = QuantLinear.from_linear(linear, fmt, block_size)
+                before += linear.weight.numel() * linear.weight.element_size()
+                after += layer.qweight.nbytes
+                setattr(parent, name, layer)
+                replaced.append((parent, name, linear))
+    except BaseException:
+        for parent, name, linear in reversed(replaced):
+            setattr(parent, name, linear)
+        raise
+    if _replaced is not None:
+        _replaced.extend(replaced)
     return {"tensors": len(targets), "bytes_before": before, "bytes_after": after}

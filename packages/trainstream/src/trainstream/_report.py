@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import ts_pinned
 
-from ._channel import transfer_stats
+from .engine import transfer_stats
 
 __all__ = ["memory_report", "pinned_stats"]
 
@@ -38,7 +38,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report = {"gpu": _gpu(device), "pinned": pinned, "pinned_by_tag": by_tag}
     if session is None:
         return report
-    slots = session.engine.slots
+    slots = session.engine.active
     placements: dict[str, dict[str, int]] = {}
     for slot in slots:
         entry = placements.setdefault(slot.placement, {"params": 0, "values": 0, "state_bytes": 0})

@@ -9,12 +9,12 @@ import torch
 import ts_adamw
 import ts_pinned
 
-from ._engine import UpdateEngine
 from ._events import EventLog
-from ._forward_guard import ForwardGuard
 from ._options import WrapOptions
 from ._plan import GiB, device_state_bytes, plan_host_memory, vram_budget
-from ._slots import ParamSlot
+from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
+from .engine.hooks import EngineHook
+from .engine.slots import dense_layout_problem
 
 __all__ = ["TrainStreamSession"]
 
@@ -57,33 +57,43 @@ class TrainStreamSession:
         self.adapting = False
         self.peer = None  # peer-GPU pools arrive with ts-peer
         self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
+        self.engine = None
+        self.guard = None
+        self._handles: list = []
+        self._hooks: list[EngineHook] = []
+        self._interrupts = False
 
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         slots = []
         for group in optimizer.param_groups:
             for p in group["params"]:
-                slots.append(ParamSlot(param=p, index=len(slots), group=group))
+                slots.append(ParamSlot(param=p, index=len(slots), group=group, name=names.get(id(p), "")))
         if not slots:
             raise ValueError("the optimizer has no parameters to train")
+        trained = [s for s in slots if s.param.requires_grad]
         self._check_devices(slots)
+        _check_layouts(model, trained)
+        frozen = len(slots) - len(trained)
+        if frozen:
+            self.events.add("optimizer", f"{frozen} parameters of the optimizer are frozen: skipped, as torch skips "
+                                         f"them; they start training if unfrozen")
 
         mode = options.optimizer_mode
         on_gpu = device.type == "cuda"
         if mode == "gpu" and not on_gpu:
             raise ValueError("optimizer_mode='gpu' needs a CUDA device; use 'cpu' or 'auto'")
         initial = "mapped" if mode == "gpu" else "host"
-        plan = plan_host_memory([s.param for s in slots], initial, options.moment_dtype, options.check_memory)
+        plan = plan_host_memory([s.param for s in trained], initial, options.moment_dtype, options.check_memory)
         self.moment_dtype = plan.moment_dtype
         self.events.add("plan", plan.message)
 
         self.arena = ts_pinned.default_arena()
         # Page-lock everything now, in slabs, so no training step ever page-locks.
-        slack = 1024 * len(slots) * 5
+        slack = 1024 * len(trained) * 5
         _reserve_with_progress(self.arena, plan.needed + slack, options.verbose)
         pinned = self.arena.stats()["pinned"]
         self.events.add("memory", f"reserved {plan.needed / GiB:.2f} GiB of {'page-locked' if pinned else 'pageable'} "
                                   f"host memory for the optimizer state" + ("" if pinned else " (no GPU driver)"))
-        for slot in slots:
-            slot.allocate(initial, self.moment_dtype, self.arena)
         if options.threads is not None and not ts_adamw.set_host_threads(options.threads):
             self.events.add("optimizer", f"threads={options.threads} ignored: the host pool already runs "
                                          f"with {ts_adamw.host_threads()} threads")
@@ -93,16 +103,42 @@ class TrainStreamSession:
             ts_adamw.set_streaming_stores("on")
             self.events.add("optimizer", "host AdamW writes the weights for upload with streaming stores")
         self.engine = UpdateEngine(slots, device, self.moment_dtype, self.arena, self.events,
-                                   max_grad_norm=options.max_grad_norm,
-                                   accumulation_steps=options.accumulation_steps, seed=options.seed)
-        self.guard = ForwardGuard(model, self.engine)
-        self._state_hook = model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
+                                   max_grad_norm=options.max_grad_norm, accumulation_steps=options.accumulation_steps,
+                                   seed=options.seed, guard_params=options.guard_params, placement=initial)
+        try:
+            for slot in trained:
+                self.engine.activate(slot)
+            self.guard = ForwardGuard(model, self.engine)
+            # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
+            self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
+            self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
+            self._interrupts = interrupts.install()
+        except BaseException:
+            self.close()
+            raise
         what = {"host": "host AdamW on CPU threads", "mapped": "CUDA AdamW over mapped host memory (zero-copy)"}
         self.events.add("optimizer", f"optimizer_mode={mode!r}: {what[initial]}; gradients stream to host memory "
                                      f"during backward" + ("" if on_gpu else " (model on the CPU: memory copies)"))
+        ordering = ("on the device" if self.engine.channel.device_ordered else
+                    "by the host" if not on_gpu else "by the host (no stream memory operations on this GPU)")
+        self.events.add("optimizer", f"guard_params={options.guard_params}: " + (
+            f"reads of a weight after step() see its update (ordered {ordering})" if options.guard_params else
+            "reads after step() outside a forward may see the previous weight until synchronize()"))
         self.adapting = on_gpu and (options.offload == "auto" or mode == "auto")
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
             self.events.add("plan", "no CUDA device: the optimizer stays on host threads")
+
+    def _model_hook(self, register, fn) -> None:
+        hook = EngineHook(fn)
+        self._hooks.append(hook)
+        self._handles.append(register(hook))
+
+    # A copy of a wrapped model is a plain model: its session copies (and pickles) as None.
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_no_session, ())
 
     def _check_devices(self, slots: list[ParamSlot]) -> None:
         for slot in slots:
@@ -136,7 +172,7 @@ class TrainStreamSession:
         peak = torch.cuda.max_memory_allocated(self.device)
         budget = vram_budget(self.device, self.config.vram_headroom)
         room = budget - peak
-        movable = [s for s in self.engine.slots if s.placement != "device"]
+        movable = [s for s in self.engine.active if s.placement != "device"]
         need = sum(device_state_bytes(s) for s in movable)
         self.adapting = False
         if not movable:
@@ -156,7 +192,7 @@ class TrainStreamSession:
                 used += cost
             if chosen:
                 self.engine.place(chosen, "device")
-            share = sum(s.numel for s in chosen) / max(1, sum(s.numel for s in self.engine.slots))
+            share = sum(s.numel for s in chosen) / max(1, sum(s.numel for s in self.engine.active))
             self.events.add("switch", f"optimizer_mode='auto': {len(chosen)} of {len(movable)} parameters "
                                       f"({share:.0%} of the values, {used / GiB:.2f} GiB) moved their state to VRAM "
                                       f"left free by the measured peak ({peak / GiB:.2f} GiB of {budget / GiB:.2f} GiB); "
@@ -169,6 +205,38 @@ class TrainStreamSession:
     # ---- teardown -------------------------------------------------------------------
 
     def close(self) -> None:
-        self.engine.close()
-        self.guard.remove()
-        self._state_hook.remove()
+        """Waits for the updates, then removes every hook and thread, even when something fails."""
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        finally:
+            if self.guard is not None:
+                self.guard.remove()
+            for handle in self._handles:
+                handle.remove()
+            for hook in self._hooks:
+                hook.disable()
+            self._handles, self._hooks = [], []
+            if self._interrupts:
+                interrupts.uninstall()
+                self._interrupts = False
+
+
+def _no_session():
+    return None
+
+
+def _check_layouts(model: torch.nn.Module, trained: list[ParamSlot]) -> None:
+    """Refuses, before anything is allocated, parameters the engine cannot train."""
+    by_id = {id(s.param): s for s in trained}
+    for slot in trained:
+        problem = dense_layout_problem(slot.param)
+        if problem:
+            raise ValueError(f"{slot.label} cannot be trained by trainstream: {problem}. Make it dense "
+                             f"(e.g. param.data = param.data.contiguous()) before wrap()")
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            slot = by_id.get(id(module.weight))
+            if slot is not None:
+                raise ValueError(f"{slot.label} belongs to an embedding with sparse=True; trainstream trains dense "
+                                 f"gradients only: build it with sparse=False")

@@ -1,15 +1,19 @@
-"""wrap() and unwrap(): the user's entry points."""
+"""wrap() and unwrap(): the user's entry points. wrap() is all or nothing: on any exception the
+model and the optimizer are as they were before the call."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from ._convert import to_offload_adamw
-from ._optimizer import OffloadAdamW
+from ._optimizer import OffloadAdamW, _checked_entry
 from ._options import parse_options
 from ._plan import vram_budget
 from ._quantize import choose_quantize, quantize_model
 from ._session import TrainStreamSession
+from .engine import SlotState
 
 __all__ = ["unwrap", "wrap"]
 
@@ -27,12 +31,31 @@ def _training_device(model: torch.nn.Module, requested: torch.device | None) -> 
     return next(iter(devices)) if devices else torch.device("cpu")
 
 
+class _ModelUndo:
+    """What wrap() may change in the model, recorded first so a failure can put it back."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [(p, p.data, p.grad) for p in model.parameters()]
+        self.buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()]
+        self.replaced: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # quantize_model's swaps
+
+    def restore(self) -> None:
+        for parent, name, child in reversed(self.replaced):
+            setattr(parent, name, child)
+        for p, data, grad in self.params:
+            if p.data is not data:
+                p.data = data
+            p.grad = grad
+        for module, name, buffer in self.buffers:
+            module._buffers[name] = buffer
+
+
 def wrap(model: torch.nn.Module, optimizer=None, **options):
     """Trains ``model`` with its optimizer state in host memory; returns ``(model, optimizer)``.
 
     ``optimizer``: ``torch.optim.AdamW`` / ``Adam`` (converted, state migrated), a
     ``trainstream.OffloadAdamW``, or ``None`` (one is made with ``lr=``). Options are
-    validated up front; see the README for each one.
+    validated up front; see the README for each one. On any error, nothing has changed.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"wrap() takes a torch.nn.Module, not {type(model).__name__}")
@@ -42,26 +65,38 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         options = {**optimizer.wrap_options, **options}
     opts = parse_options(options)
     device = _training_device(model, opts.device)
+    converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     fmt, why = _quantize_decision(model, device, opts)
-    quantized = quantize_model(model, fmt) if fmt else None
-    if any(p.device != device for p in model.parameters()) or quantized:
-        model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
-    converted = to_offload_adamw(optimizer, model, opts.lr)
-    session = TrainStreamSession(model, converted, opts, device)
-    if why:
-        session.events.add("quantize", why)
-    if quantized:
-        session.quantized = {"quantize": fmt, **quantized}
-        session.events.add("quantize", f"{quantized['tensors']} frozen linear weights of the blocks stored as "
-                                       f"{fmt}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
-                                       f"{quantized['bytes_after'] / 2**30:.2f} GiB")
-    migrated = getattr(converted, "_migrated_state", None)
-    if migrated:
-        _migrate_state(session, migrated)
-        session.events.add("optimizer", f"migrated existing AdamW state of {len(migrated)} parameters")
-    converted._session = session
-    model._trainstream_session = session
+    undo = _ModelUndo(model)
+    session = None
+    try:
+        quantized = quantize_model(model, fmt, _replaced=undo.replaced) if fmt else None
+        if any(p.device != device for p in model.parameters()) or quantized:
+            model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
+        session = TrainStreamSession(model, converted, opts, device)
+        if why:
+            session.events.add("quantize", why)
+        if quantized:
+            session.quantized = {"quantize": fmt, **quantized}
+            session.events.add("quantize", f"{quantized['tensors']} frozen linear weights of the blocks stored as "
+                                           f"{fmt}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
+                                           f"{quantized['bytes_after'] / 2**30:.2f} GiB")
+        if carried:
+            _migrate_state(session, carried)
+        converted._session = session
+        model._trainstream_session = session
+    except BaseException:
+        converted._session = None
+        with contextlib.suppress(Exception):
+            del model._trainstream_session
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+        undo.restore()
+        raise
+    if converted is optimizer:
+        optimizer.state.clear()  # the state lives in the engine now
     return model, converted
 
 
@@ -75,24 +110,37 @@ def _quantize_decision(model: torch.nn.Module, device: torch.device, opts) -> tu
     return fmt, f"auto: {why}"
 
 
-def _migrate_state(session: TrainStreamSession, migrated: dict) -> None:
+def _migrate_state(session: TrainStreamSession, carried: dict) -> None:
+    """Existing AdamW state (a converted torch optimizer's, or kept by OffloadAdamW across unwrap), all
+    checked before any is applied. A saved master is used only while it still rounds to the weight."""
+    entries = []
     for slot in session.engine.slots:
-        state = migrated.get(id(slot.param))
-        if not state:
-            continue
-        slot.step = int(float(state.get("step", 0)))
-        slot.exp_avg.copy_(state["exp_avg"].reshape(-1))
-        slot.exp_avg_sq.copy_(state["exp_avg_sq"].reshape(-1))
+        state = carried.get(id(slot.param))
+        if state and slot.state is not SlotState.DORMANT:
+            entries.append((slot, _checked_entry(slot, slot.index, state)))
+    for slot, (step, exp_avg, exp_avg_sq, master) in entries:
+        weight = slot.param.detach()
+        if master is not None and not torch.equal(master.reshape(weight.shape).to(weight.dtype).cpu(), weight.cpu()):
+            master = None  # the weight was changed since: training continues from the weight
+        with torch.no_grad():
+            slot.load(step, exp_avg, exp_avg_sq, master)
+    session.events.add("optimizer", f"continued from the existing AdamW state of {len(entries)} parameters")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Waits for every update, removes TrainStream's hooks and returns the plain model.
-    The optimizer it returned is detached and must not be stepped again."""
+    """Waits for every update, removes TrainStream's hooks and returns the plain model. The optimizer
+    keeps its state (torch.optim.AdamW's format, in ``.state``): wrap() it again to continue. Everything
+    is removed even when an update failed; that failure is raised afterwards."""
     session: TrainStreamSession | None = getattr(model, "_trainstream_session", None)
     if session is None:
         raise ValueError("this model is not wrapped by trainstream")
-    session.close()
-    if isinstance(session.optimizer, OffloadAdamW):
-        session.optimizer._session = None
-    del model._trainstream_session
+    try:
+        session.close()
+    finally:
+        optimizer = session.optimizer
+        if isinstance(optimizer, OffloadAdamW):
+            for slot in session.engine.active:
+                optimizer.state[slot.param] = slot.export()
+            optimizer._session = None
+        del model._trainstream_session
     return model

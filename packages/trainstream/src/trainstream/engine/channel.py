@@ -1,19 +1,38 @@
-"""Copies between model memory and host buffers, on dedicated streams.
+"""Copies between model memory and host buffers, on dedicated streams, and the upload counter.
 
-A CUDA channel owns a device-to-host and a host-to-device stream per device;
-copies on them are ordered against compute with events, never with a device
-synchronize. The host channel is the same interface for a model on the CPU
-(no GPU, or CI): copies happen at once and every token is already complete,
-so the whole pipeline's bookkeeping and numerics run without a GPU.
+A CUDA channel owns a device-to-host, a host-to-device and an optimizer stream per device; copies
+are ordered against compute with events, never with a device synchronize. Host updates are
+numbered in the order they are queued (their *sequence*); after each weight upload the H2D
+stream writes that number into a counter in device memory, so the compute stream can wait on
+the device for "upload n has landed" even before the host worker has issued it
+(``cuStreamWaitValue64`` through ts-pinned). Without stream memory operations the channel falls
+back to a host wait until the upload is issued, then an event wait.
+
+The host channel is the same interface for a model on the CPU: copies happen at once, every
+token is complete, and waiting for an upload means waiting for the worker.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
+import ts_pinned
 
-__all__ = ["CudaChannel", "HostChannel", "channel_for", "transfer_stats"]
+__all__ = ["CudaChannel", "HostChannel", "UploadMarks", "channel_for", "transfer_stats"]
+
+WaitApplied = Callable[[int], None]  # blocks until the worker has handled every update up to a sequence
+
+
+class UploadMarks:
+    """One engine's upload counter: the sequence of the last upload that has landed, in device
+    memory, written only by that engine's worker through the H2D stream (so it only grows)."""
+
+    def __init__(self, device: torch.device):
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device) if device.type == "cuda" else None
+        self.address = self.counter.data_ptr() if self.counter is not None else 0
+        self.last_event = None  # fallback path: the newest upload event
 
 
 class _Stats:
@@ -31,18 +50,15 @@ class _Stats:
                 self.h2d_copies += 1
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "d2h_bytes": self.d2h_bytes,
-            "d2h_copies": self.d2h_copies,
-            "h2d_bytes": self.h2d_bytes,
-            "h2d_copies": self.h2d_copies,
-        }
+        return {"d2h_bytes": self.d2h_bytes, "d2h_copies": self.d2h_copies,
+                "h2d_bytes": self.h2d_bytes, "h2d_copies": self.h2d_copies}
 
 
 class HostChannel:
     """Model on the CPU: copies are plain memory copies, complete on return."""
 
     is_cuda = False
+    device_ordered = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -56,10 +72,16 @@ class HostChannel:
         self.stats.count("d2h", src.numel() * src.element_size())
         return None
 
-    def to_model(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks, sequence: int) -> None:
         dst.copy_(src)
         self.stats.count("h2d", src.numel() * src.element_size())
         return None
+
+    def publish(self, marks: UploadMarks, sequence: int) -> None:
+        """A failed update's sequence passes without a copy."""
+
+    def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied) -> None:
+        wait_applied(sequence)
 
     def host_wait(self, token) -> None:
         return None
@@ -82,6 +104,8 @@ class CudaChannel:
         self.h2d = torch.cuda.Stream(device)
         self.optimizer = torch.cuda.Stream(device)
         self.stats = _Stats()
+        available = getattr(ts_pinned, "stream_value_ops_available", None)
+        self.device_ordered = bool(available is not None and available(device.index))
 
     def mark_compute(self) -> torch.cuda.Event:
         """An event after everything queued so far on the current (compute) stream."""
@@ -101,14 +125,37 @@ class CudaChannel:
         self.stats.count("d2h", src.numel() * src.element_size())
         return done
 
-    def to_model(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
-        """Queues src (pinned host) -> dst (device) on the H2D stream."""
+    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks, sequence: int) -> torch.cuda.Event:
+        """Queues src (pinned host) -> dst (device) on the H2D stream, then marks `sequence` landed."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.h2d)
+            self._publish(marks, sequence, done)
         self.stats.count("h2d", src.numel() * src.element_size())
         return done
+
+    def publish(self, marks: UploadMarks, sequence: int) -> None:
+        """A failed update's sequence passes without a copy (nothing waits forever on it)."""
+        with torch.cuda.device(self.device):
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+            self._publish(marks, sequence, done)
+
+    def _publish(self, marks: UploadMarks, sequence: int, event: torch.cuda.Event) -> None:
+        if self.device_ordered:
+            ts_pinned.stream_write_value(self.h2d.cuda_stream, marks.address, sequence)
+        marks.last_event = event
+
+    def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied) -> None:
+        """The compute stream's next work runs after upload `sequence` (and all before it) landed."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.device_ordered:
+            ts_pinned.stream_wait_value(stream.cuda_stream, marks.address, sequence)
+            return
+        wait_applied(sequence)  # the worker has issued it: the newest upload event covers it
+        if marks.last_event is not None:
+            stream.wait_event(marks.last_event)
 
     def host_wait(self, token: torch.cuda.Event | None) -> None:
         if token is not None:

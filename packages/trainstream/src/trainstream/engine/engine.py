@@ -1,0 +1,274 @@
+"""The update engine: gradient hooks, accumulation, clipping, step(), and where updates run.
+
+Without clipping, a parameter's update starts the moment autograd has accumulated its gradient
+(the last of ``accumulation_steps`` backward passes), while backward continues. With
+``max_grad_norm``, gradients are collected first and every update waits for the global norm at
+step(). Every change of a slot goes through ``ParamSlot.move`` inside ``interrupts.critical()``;
+waits happen outside, so Ctrl-C is prompt and never leaves a transition half-done.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import ts_adamw
+import ts_pinned
+
+from . import interrupts
+from .channel import UploadMarks, channel_for
+from .hooks import EngineHook
+from .slots import ParamSlot, SlotState, grad_in_memory_order
+from .updates import HostUpdater, hyper_of, launch_device_update
+
+__all__ = ["UpdateEngine", "UpdateFailed"]
+
+S = SlotState
+
+
+class UpdateFailed(RuntimeError):
+    """A host AdamW update failed; the parameters it names were left as they were."""
+
+
+class UpdateEngine:
+    """Owns every slot's transitions (``engine/slots.py`` lists the states and invariants)."""
+
+    def __init__(self, slots: list[ParamSlot], device: torch.device, moment_dtype: torch.dtype,
+                 arena: ts_pinned.PinnedArena, events, *, max_grad_norm: float | None, accumulation_steps: int,
+                 seed: int, guard_params: bool, placement: str):
+        self.slots = slots
+        self.by_param = {id(s.param): s for s in slots}
+        self.device = device
+        self.moment_dtype = moment_dtype
+        self.arena = arena
+        self.events = events
+        self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
+        self.seed = seed
+        self.guard_params = guard_params
+        self.placement = placement  # where a newly trained parameter's state goes
+        self.channel = channel_for(device)
+        self.marks = UploadMarks(device)
+        self.host = HostUpdater(self.channel, self.marks, events)
+        self.last_grad_norm: float | None = None
+        self._clip_scale: float | None = None  # this step's coefficient, kept until all its updates are queued
+        self._device_done: torch.cuda.Event | None = None  # the newest device update of this step
+        self._dormant = [s for s in slots if s.state is S.DORMANT]
+        self._grad_hook = EngineHook(self._on_grad)
+
+    @property
+    def active(self) -> list[ParamSlot]:
+        return [s for s in self.slots if s.state is not S.DORMANT]
+
+    # ---- parameters start training ------------------------------------------------
+
+    def activate(self, slot: ParamSlot, placement: str | None = None) -> None:
+        """DORMANT -> IDLE: buffers from the current weight, and the gradient hook."""
+        slot.allocate(placement or self.placement, self.moment_dtype, self.arena)
+        with interrupts.critical():
+            slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook)
+            slot.note_weight()
+            slot.move(S.IDLE)
+        if slot in self._dormant:
+            self._dormant.remove(slot)
+
+    def activate_unfrozen(self) -> None:
+        """Parameters frozen at wrap() that have since been unfrozen start training (as torch's would)."""
+        for slot in [s for s in self._dormant if s.param.requires_grad]:
+            self.activate(slot)
+            self.events.add("optimizer", f"{slot.label} is trainable now: its optimizer state was created")
+
+    # ---- gradients arrive -----------------------------------------------------------
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        slot = self.by_param[id(param)]
+        if slot.state is S.QUEUED:
+            self.host.wait_slot(slot)  # invariant 2: its buffer is still being read
+        if slot.state is S.ARRIVED:
+            raise RuntimeError(f"{slot.label} received a second gradient before step(); with max_grad_norm, "
+                               f"declare accumulation_steps=N or call step() after each backward")
+        with interrupts.critical():
+            if slot.micro + 1 < self.accumulation_steps:
+                slot.micro += 1
+                slot.move(S.ACCUMULATING)  # keep summing in param.grad, as autograd does
+                return
+            self._take(slot)
+
+    def _take(self, slot: ParamSlot) -> None:
+        """IDLE / ACCUMULATING with a complete gradient in param.grad -> ARRIVED, QUEUED or (device) IDLE.
+        Runs inside a critical section; everything that can fail comes before the first change."""
+        grad = slot.param.grad
+        if grad is None:
+            return
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise ValueError(f"{slot.label} has a {grad.layout} gradient; trainstream trains dense gradients only "
+                             f"(use sparse=False in the embedding)")
+        immediate = self.max_grad_norm is None
+        hyper = hyper_of(slot, 1.0, self.seed) if immediate else None
+        if slot.weight_changed():
+            slot.follow_weight()
+            self.events.add("optimizer", f"{slot.label} was changed outside the optimizer: its master copy follows")
+        on_host = slot.placement == "host"
+        src = grad_in_memory_order(grad.detach(), slot.param) if on_host or immediate else None
+        after = self.channel.mark_compute()  # after any layout copy above, which the D2H copy reads
+        if on_host:
+            token = self.channel.to_host(src, slot.grad_host, after)
+            slot.param.grad = None  # its memory now belongs to the D2H stream
+            slot.micro = 0
+            slot.grad_token = token
+            if immediate:
+                slot.hyper = hyper
+                slot.move(S.QUEUED)
+                slot.written = self.host.submit(slot)
+            else:
+                slot.move(S.ARRIVED)
+        elif immediate:
+            slot.written = self._device_done = launch_device_update(slot, src, hyper, self.channel, after)
+            slot.step += 1
+            slot.param.grad = None
+            slot.micro = 0
+            slot.move(S.IDLE)
+        else:
+            slot.micro = 0
+            slot.move(S.ARRIVED)  # device gradients wait in param.grad for the norm
+
+    # ---- step ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Takes gradients still accumulating, applies clipping, queues the remaining updates, and
+        (guard_params) orders every later read of a weight after its update."""
+        self.raise_errors()
+        self.activate_unfrozen()
+        for slot in self.slots:
+            if slot.state in (S.IDLE, S.ACCUMULATING) and slot.param.grad is not None:
+                with interrupts.critical():
+                    self._take(slot)  # step() before accumulation_steps passes, or a gradient set by hand
+            elif slot.state is S.QUEUED and slot.param.grad is not None:
+                self.host.wait_slot(slot)
+                with interrupts.critical():
+                    self._take(slot)
+        if self.max_grad_norm is not None:
+            self._clip_and_update()
+        if self.guard_params:
+            self.guard_reads()
+
+    def _clip_and_update(self) -> None:
+        arrived = [s for s in self.slots if s.state is S.ARRIVED]
+        if not arrived:
+            self._clip_scale = None
+            return
+        if self._clip_scale is None:
+            # A retried step() (after an interrupt below) reuses the norm of the whole gradient.
+            for s in arrived:
+                if s.placement == "host":
+                    self.channel.host_wait(s.grad_token)
+            host = [s.grad_host for s in arrived if s.placement == "host"]
+            total = ts_adamw.sum_of_squares(host) if host else 0.0
+            device = [s.param.grad.detach() for s in arrived if s.placement != "host"]
+            if device:
+                total += float(torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in device]).sum())
+            norm = math.sqrt(total)
+            self.last_grad_norm = norm
+            # Same coefficient as torch.nn.utils.clip_grad_norm_.
+            self._clip_scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        hypers = [hyper_of(s, self._clip_scale, self.seed) for s in arrived]
+        grads = [None if s.placement == "host" else grad_in_memory_order(s.param.grad.detach(), s.param)
+                 for s in arrived]
+        after = self.channel.mark_compute()
+        with interrupts.critical():
+            for s, h, grad in zip(arrived, hypers, grads):
+                if s.placement == "host":
+                    s.hyper = h
+                    s.move(S.QUEUED)
+                    s.written = self.host.submit(s)
+                else:
+                    s.written = self._device_done = launch_device_update(s, grad, h, self.channel, after)
+                    s.step += 1
+                    s.param.grad = None
+                    s.move(S.IDLE)
+            self._clip_scale = None
+
+    def discard(self) -> None:
+        """zero_grad(): gradients held for a step that never came are dropped."""
+        for s in self.slots:
+            with interrupts.critical():
+                if s.state is S.ARRIVED:
+                    s.grad_token = None
+                    if s.placement != "host":
+                        s.param.grad = None
+                    s.move(S.IDLE)
+                elif s.state is S.ACCUMULATING:
+                    s.micro = 0
+                    s.move(S.IDLE)
+        self._clip_scale = None
+
+    # ---- ordering reads after updates -------------------------------------------------
+
+    def order_after(self, slot: ParamSlot) -> None:
+        """The compute stream's next work sees `slot`'s newest weight (device-side where possible)."""
+        written = slot.written
+        if written is None:
+            return
+        if isinstance(written, int):
+            self.channel.order_compute_after(self.marks, written, self.host.wait_applied)
+        else:
+            self.channel.compute_wait(written)
+        slot.written = None
+
+    def guard_reads(self) -> None:
+        """Every weight read after this point sees its update: one device-side wait for all host
+        uploads and one for the device updates (the host waits only on the CPU)."""
+        if self.host.submitted:
+            self.channel.order_compute_after(self.marks, self.host.submitted, self.host.wait_applied)
+        if self._device_done is not None:
+            self.channel.compute_wait(self._device_done)
+            self._device_done = None
+        for slot in self.slots:
+            slot.written = None
+        if not self.channel.is_cuda:
+            self.raise_errors()
+
+    def raise_errors(self) -> None:
+        """Raises, once, the host updates that failed since the last call."""
+        errors = self.host.take_errors()
+        if not errors:
+            return
+        slot, error = errors[0]
+        names = ", ".join(s.label for s, _ in errors)
+        raise UpdateFailed(f"the host AdamW update of {names} failed: {error!r}. Those parameters were left as they "
+                           f"were (steps {', '.join(str(s.step) for s, _ in errors)}); the next step trains them "
+                           f"again") from error
+
+    def synchronize(self) -> None:
+        """Every queued update applied and every weight written (host and device)."""
+        self.host.drain()
+        self.channel.synchronize()
+        for slot in self.slots:
+            slot.written = None
+        self._device_done = None
+        self.raise_errors()
+
+    # ---- placements and teardown --------------------------------------------------------
+
+    def place(self, slots: list[ParamSlot], placement: str) -> int:
+        """Moves slots to a placement (after synchronize()); returns the values moved."""
+        moved = 0
+        for slot in slots:
+            if slot.placement != placement:
+                slot.move_to(placement, self.arena)
+                moved += slot.numel
+        return moved
+
+    def close(self) -> None:
+        """Waits for every update, then removes the hooks and stops the worker, whatever fails."""
+        try:
+            self.synchronize()
+        finally:
+            for slot in self.slots:
+                if slot.hook is not None:
+                    slot.hook.remove()
+                    slot.hook = None
+            try:
+                self.host.close()
+            finally:
+                self._grad_hook.disable()

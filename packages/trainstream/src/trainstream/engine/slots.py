@@ -1,0 +1,219 @@
+"""One trained parameter's optimizer state, as an explicit state machine.
+
+States (``SlotState``) and who moves a slot between them:
+
+  DORMANT       in the optimizer but frozen at wrap(): no buffers, no hook. -> IDLE when it is
+                first seen trainable (engine, main thread).
+  IDLE          buffers allocated, no gradient held by the engine. -> ACCUMULATING (a backward
+                pass of several), -> ARRIVED (clipping), -> QUEUED (host update), or straight back
+                to IDLE after a device update is launched (engine, main thread).
+  ACCUMULATING  0 < micro < accumulation_steps; the gradient sums in ``param.grad`` as autograd
+                does. -> ARRIVED / QUEUED / IDLE as from IDLE; -> IDLE on zero_grad().
+  ARRIVED       the gradient is the engine's (host: copied to ``grad_host``; device: kept in
+                ``param.grad``) and waits for step()'s global norm. -> QUEUED / IDLE (launch) at
+                step(), -> IDLE on zero_grad() (dropped).
+  QUEUED        a host update is in the worker's queue or running. -> IDLE only by the worker,
+                after it applied the update (``step`` += 1) or failed (nothing changed).
+
+Invariants (checked by tests/test_engine_state_machine.py):
+  1. Buffers exist if and only if the state is not DORMANT.
+  2. ``grad_host`` is written (by a device-to-host copy) only on the way out of IDLE or
+     ACCUMULATING, and read only by the worker in QUEUED: it is never overwritten while read.
+     A gradient that arrives while its slot is QUEUED first waits for the worker.
+  3. ``step`` counts applied updates. It changes only when an update is applied: by the worker
+     (QUEUED -> IDLE) or when a device update is launched; a failed update leaves it.
+  4. ``master`` and the moments change only when an update is applied, when the weight was edited
+     by the user (the master follows the weight, ``weight_changed``), or by load_state_dict; the
+     last two only outside QUEUED.
+  5. ``micro`` > 0 only in ACCUMULATING.
+  6. ``written`` marks the last write of the weight that the compute stream has not yet been
+     ordered after (a channel token); the guard clears it once it is.
+
+Flat buffers follow the parameter's memory order, so any dense layout (``channels_last``
+included) trains; ``flat()`` and ``shaped()`` convert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+import ts_pinned
+
+__all__ = ["PLACEMENTS", "ParamSlot", "SlotState", "dense_layout_problem", "flat", "shaped"]
+
+PLACEMENTS = ("host", "device", "mapped")
+
+
+class SlotState(enum.Enum):
+    DORMANT = "dormant"
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    ARRIVED = "arrived"
+    QUEUED = "queued"
+
+
+S = SlotState
+_ALLOWED = {
+    (S.DORMANT, S.IDLE),
+    (S.IDLE, S.ACCUMULATING), (S.IDLE, S.ARRIVED), (S.IDLE, S.QUEUED), (S.IDLE, S.IDLE),
+    (S.ACCUMULATING, S.ACCUMULATING), (S.ACCUMULATING, S.ARRIVED), (S.ACCUMULATING, S.QUEUED),
+    (S.ACCUMULATING, S.IDLE),
+    (S.ARRIVED, S.QUEUED), (S.ARRIVED, S.IDLE),
+    (S.QUEUED, S.IDLE),
+}
+
+
+def dense_layout_problem(t: torch.Tensor) -> str | None:
+    """None when ``t``'s elements fill its memory exactly once (any permutation of strides), else why not."""
+    if t.layout != torch.strided:
+        return f"its layout is {t.layout}"
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return f"its strides {tuple(t.stride())} overlap or leave gaps for shape {tuple(t.shape)}"
+        expected *= size
+    return None
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor in memory order (no copy)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def shaped(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The flat memory-order ``buffer`` seen with ``like``'s shape and strides."""
+    return buffer.as_strided(like.shape, like.stride(), buffer.storage_offset())
+
+
+def grad_in_memory_order(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient as a flat buffer in the parameter's memory order (a copy only when layouts differ)."""
+    if grad.stride() != param.stride():
+        grad = torch.empty_like(param).copy_(grad)
+    return flat(grad)
+
+
+@dataclasses.dataclass(eq=False)
+class ParamSlot:
+    """Everything the engine keeps for one trained parameter (see the module docstring)."""
+
+    param: torch.nn.Parameter
+    index: int  # position in the optimizer's param_groups order
+    group: dict
+    name: str = ""
+    state: SlotState = SlotState.DORMANT
+    placement: str = "host"
+    step: int = 0
+    micro: int = 0
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    grad_host: torch.Tensor | None = None  # host placement: where the gradient lands
+    out_host: torch.Tensor | None = None  # host placement: rounded weight for the upload
+    grad_token: object = None  # ARRIVED on the host: the device-to-host copy's completion
+    hyper: object = None  # ARRIVED / QUEUED: hyper-parameters read when the gradient arrived
+    written: object = None  # invariant 6
+    weight_version: int = -1  # the weight as the engine last saw it (user edits change these)
+    weight_ptr: int = 0
+    hook: object = None
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    @property
+    def label(self) -> str:
+        return f"parameter {self.index}" + (f" ({self.name})" if self.name else "")
+
+    def move(self, to: SlotState) -> None:
+        """The one place a slot changes state; refuses a transition the machine does not have."""
+        if (self.state, to) not in _ALLOWED:
+            raise AssertionError(f"{self.label}: no transition {self.state.value} -> {to.value}")
+        self.state = to
+
+    # ---- the weight as the engine last saw it ---------------------------------
+
+    def note_weight(self) -> None:
+        self.weight_version = self.param._version
+        self.weight_ptr = self.param.data_ptr()
+
+    def weight_changed(self) -> bool:
+        """True when someone other than the engine wrote the weight (in place, load_state_dict, or a new .data)."""
+        return self.param._version != self.weight_version or self.param.data_ptr() != self.weight_ptr
+
+    def follow_weight(self) -> None:
+        """The master takes the user's weight (moments and step stay, as torch's AdamW keeps them)."""
+        self.master.copy_(flat(self.param.detach()))
+        self.note_weight()
+
+    # ---- buffers ----------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Bytes of master + moments (+ host gradient / upload buffers)."""
+        tensors = (self.master, self.exp_avg, self.exp_avg_sq, self.grad_host, self.out_host)
+        seen, total = set(), 0
+        for t in tensors:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def allocate(self, placement: str, moment_dtype: torch.dtype, arena: ts_pinned.PinnedArena) -> None:
+        """Creates the state buffers for `placement` from the current weight; moments start at zero."""
+        p = flat(self.param.detach())
+        n = p.numel()
+        if placement == "device":
+            master = p.to(torch.float32, copy=True)
+            exp_avg = torch.zeros(n, dtype=moment_dtype, device=p.device)
+            exp_avg_sq = torch.zeros(n, dtype=moment_dtype, device=p.device)
+            grad_host = out_host = None
+        else:
+            master = arena.empty(n, torch.float32, tag="master")
+            master.copy_(p)
+            exp_avg = arena.empty(n, moment_dtype, tag="moments").zero_()
+            exp_avg_sq = arena.empty(n, moment_dtype, tag="moments").zero_()
+            grad_host = out_host = None
+            if placement == "host":
+                grad_host = arena.empty(n, p.dtype, tag="grads")
+                # fp32 weights upload straight from the master copy.
+                out_host = master if p.dtype == torch.float32 else arena.empty(n, p.dtype, tag="weights")
+        # Assigned together once everything exists: a failed allocation leaves the slot as it was.
+        self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
+        self.grad_host, self.out_host, self.placement = grad_host, out_host, placement
+
+    def move_to(self, placement: str, arena: ts_pinned.PinnedArena) -> None:
+        """Moves master and moments to another placement, keeping their values (slot not QUEUED)."""
+        if placement == self.placement:
+            return
+        master, exp_avg, exp_avg_sq = self.master, self.exp_avg, self.exp_avg_sq
+        self.allocate(placement, exp_avg.dtype, arena)
+        self.master.copy_(master)
+        self.exp_avg.copy_(exp_avg)
+        self.exp_avg_sq.copy_(exp_avg_sq)
+
+    def export(self) -> dict:
+        """The state in torch.optim.AdamW's format (CPU copies, the parameter's shape) plus ``master_param``."""
+        like = self.param.detach()
+
+        def out(buffer):
+            return shaped(buffer.detach(), like).to("cpu", copy=True).contiguous()
+
+        return {"step": torch.tensor(float(self.step)), "exp_avg": out(self.exp_avg),
+                "exp_avg_sq": out(self.exp_avg_sq), "master_param": out(self.master)}
+
+    def load(self, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, master: torch.Tensor | None) -> None:
+        """Takes saved state (validated by the caller), the master from the weight when none is given,
+        and rewrites the weight from the master."""
+        like = self.param.detach()
+        shaped(self.exp_avg, like).copy_(exp_avg.reshape(like.shape))
+        shaped(self.exp_avg_sq, like).copy_(exp_avg_sq.reshape(like.shape))
+        if master is not None:
+            shaped(self.master, like).copy_(master.reshape(like.shape))
+        else:
+            self.master.copy_(flat(like))
+        self.step = int(step)
+        flat(self.param.data).copy_(self.master)
+        self.note_weight()

@@ -1,0 +1,215 @@
+"""The AdamW update of one parameter, wherever its state lives.
+
+Host updates run on one worker thread, in the order they were queued, each using all of
+ts-adamw's host threads; device and mapped updates are CUDA kernels queued on the optimizer
+stream. Every host update has a sequence number; once its new weight is uploaded (or the update
+failed, leaving everything as it was) the worker marks that sequence done, on the H2D stream
+for the device and in ``applied`` for the host.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+import ts_adamw
+
+from .channel import UploadMarks
+from .slots import ParamSlot, SlotState, flat
+
+__all__ = ["HostUpdater", "Hyper", "hyper_of", "launch_device_update"]
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Hyper-parameters of one update, read from the param group when the gradient arrives."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+    grad_scale: float
+    seed: int
+
+    def kwargs(self, step: int) -> dict:
+        return {"lr": self.lr, "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
+                "weight_decay": self.weight_decay, "step": step, "maximize": self.maximize,
+                "grad_scale": self.grad_scale, "seed": self.seed}
+
+
+def _number(where: str, key: str, value, low: float, high: float = math.inf, *, closed_high: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
+            low <= value and (value <= high if closed_high else value < high)):
+        bound = f"[{low}, {high}]" if closed_high else f"[{low}, {high})"
+        raise ValueError(f"{where}: {key}={value!r} is not valid; use a finite number in {bound}")
+    return float(value)
+
+
+def hyper_of(slot: ParamSlot, grad_scale: float, seed: int) -> Hyper:
+    """The group's hyper-parameters, checked (a scheduler or a user may have edited them)."""
+    g = slot.group
+    where = f"the param group of {slot.label}"
+    betas = g["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{where}: betas={betas!r} is not a pair")
+    maximize = g.get("maximize", False)
+    if not isinstance(maximize, bool):
+        raise ValueError(f"{where}: maximize={maximize!r} is not valid; use True or False")
+    return Hyper(
+        lr=_number(where, "lr", g["lr"], 0.0),
+        beta1=_number(where, "betas[0]", betas[0], 0.0, 1.0, closed_high=False),
+        beta2=_number(where, "betas[1]", betas[1], 0.0, 1.0, closed_high=False),
+        eps=_number(where, "eps", g["eps"], 0.0),
+        weight_decay=_number(where, "weight_decay", g["weight_decay"], 0.0),
+        maximize=maximize,
+        grad_scale=float(grad_scale),
+        # Distinct stochastic-rounding streams per parameter, reproducible across runs.
+        seed=(seed * 1_000_003 + slot.index) & 0xFFFFFFFF,
+    )
+
+
+def launch_device_update(slot: ParamSlot, grad: torch.Tensor, h: Hyper, channel, after) -> torch.cuda.Event:
+    """Queues the CUDA AdamW kernel of a device or mapped slot on the optimizer stream, after
+    `after` (the compute work that produced the gradient, a flat memory-order view); returns its
+    completion event. The caller counts the step."""
+    stream = channel.optimizer
+    stream.wait_event(after)
+    with torch.cuda.device(channel.device), torch.cuda.stream(stream):
+        ts_adamw.cuda_adamw_step([slot.master], [grad], [slot.exp_avg], [slot.exp_avg_sq],
+                                 params_out=[flat(slot.param.data)], stream=stream.cuda_stream,
+                                 **h.kwargs(slot.step + 1))
+        grad.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+_live_updaters: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_updates_at_exit() -> None:
+    # A daemon thread still inside a native call when the interpreter finalizes is
+    # killed with pthread_exit, whose forced unwind through C++ frames aborts the
+    # process. optimizer.step() returns before its updates finish, so a script may
+    # well exit right after one: let every worker finish first.
+    for updater in list(_live_updaters):
+        updater.close()
+
+
+class HostUpdater:
+    """The worker thread that applies host updates in sequence order and uploads the results.
+
+    ``submitted`` (main thread, inside a critical section) and ``applied`` (worker) are the last
+    sequence numbers queued and handled; everything between is in the queue or running.
+    """
+
+    def __init__(self, channel, marks: UploadMarks, events):
+        self._channel = channel
+        self._marks = marks
+        self._events = events
+        self._items: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._done = threading.Condition()
+        self.submitted = 0
+        self.applied = 0
+        self.updates = 0
+        self._errors: list[tuple[ParamSlot, BaseException]] = []
+        self._thread = threading.Thread(target=self._run, name="trainstream-host-adamw", daemon=True)
+        self._thread.start()
+        _live_updaters.add(self)
+
+    # ---- main thread ------------------------------------------------------------
+
+    def submit(self, slot: ParamSlot) -> int:
+        """Queues `slot`'s update (slot already QUEUED, hyper set); returns its sequence.
+        The caller holds interrupts.critical(): the append and the count move together."""
+        sequence = self.submitted + 1
+        self._items.append((sequence, slot))
+        self.submitted = sequence
+        self._wake.set()
+        return sequence
+
+    def _wait(self, done) -> None:
+        with self._done:
+            while not self._done.wait_for(done, timeout=1.0):
+                if not self._thread.is_alive():
+                    raise RuntimeError("trainstream's host update worker has stopped; updates queued to it are lost")
+
+    def wait_applied(self, sequence: int) -> None:
+        """Blocks until every update up to `sequence` has been handled (applied or failed)."""
+        self._wait(lambda: self.applied >= sequence)
+
+    def wait_slot(self, slot: ParamSlot) -> None:
+        """Blocks until the worker has released `slot` (it is no longer QUEUED)."""
+        self._wait(lambda: slot.state is not SlotState.QUEUED)
+
+    def drain(self) -> None:
+        """Blocks until every submitted update has been handled."""
+        self._wait(lambda: self.applied >= self.submitted)
+
+    def take_errors(self) -> list[tuple[ParamSlot, BaseException]]:
+        """The failures not reported yet (each is reported once)."""
+        with self._done:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        """Applies what is queued, then stops the worker (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        self.drain()
+        self._items.append(None)
+        self._wake.set()
+        self._thread.join()
+
+    # ---- worker thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._items:
+                item = self._items.popleft()
+                if item is None:
+                    return
+                self._apply(*item)
+
+    def _apply(self, sequence: int, slot: ParamSlot) -> None:
+        applied = uploaded = False
+        error = None
+        try:
+            self._channel.host_wait(slot.grad_token)
+            ts_adamw.adamw_step(slot.master, slot.grad_host, slot.exp_avg, slot.exp_avg_sq,
+                                param_out=None if slot.out_host is slot.master else slot.out_host,
+                                **slot.hyper.kwargs(slot.step + 1))
+            applied = True
+            self._channel.upload(slot.out_host, flat(slot.param.data), self._marks, sequence)
+            uploaded = True
+        except BaseException as failure:  # reported once, at the next sync point
+            error = failure
+        if not uploaded:
+            try:
+                self._channel.publish(self._marks, sequence)  # nothing may wait forever on this sequence
+            except BaseException as failure:
+                error = error or failure
+        with self._done:
+            slot.grad_token = slot.hyper = None
+            if applied:
+                slot.step += 1
+                self.updates += 1
+            if error is not None:
+                what = ("its new weight could not be written back (master and moments hold the update)"
+                        if applied else "nothing was changed")
+                self._errors.append((slot, error))
+                self._events.add("error", f"host update of {slot.label} failed ({what}): {error!r}")
+            slot.move(SlotState.IDLE)
+            self.applied = sequence
+            self._done.notify_all()
