@@ -171,16 +171,41 @@ def test_copy_to_device_errors_on_cuda():
 
 
 def test_copy_to_device_beats_the_pageable_path():
+    # Both paths in the same run on the same pageable source, interleaved (so drift
+    # of clocks or of the link hits both), best of 3 each. Measured on the H200
+    # machine: 53.7 GB/s staged against 9.1 GB/s pageable (5.9x). A copy_to_device
+    # that fell back to the driver's pageable path would give a ratio near 1, so 2x
+    # cannot pass without the ring; the staging counters show the ring ran.
     nbytes = 1 << 30
-    src = torch.ones(nbytes, dtype=torch.uint8)
+    src = random_of(torch.uint8, 64 * MIB, seed=11).repeat(nbytes // (64 * MIB))
+    src[-1] = 7  # the last slot's bytes differ from the first's
+    assert not src.is_pinned()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    ts_pinned.copy_to_device(src, dst)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    ts_pinned.copy_to_device(src, dst)
-    torch.cuda.synchronize()
-    staged = nbytes / (time.perf_counter() - start) / 1e9
-    assert staged >= 10.0, f"copy_to_device at {staged:.1f} GB/s"
+
+    def timed(copy) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    pageable_out = []
+    timed(lambda: ts_pinned.copy_to_device(src, dst))  # warm-up: ring, allocator, context
+    timed(lambda: pageable_out.append(src.to("cuda")))
+    staged_s, pageable_s = [], []
+    for _ in range(3):
+        before = ts_pinned.staging_stats()
+        staged_s.append(timed(lambda: ts_pinned.copy_to_device(src, dst)))
+        after = ts_pinned.staging_stats()
+        assert after["copies"] == before["copies"] + 1 and after["bytes"] == before["bytes"] + nbytes
+        pageable_out.clear()
+        pageable_s.append(timed(lambda: pageable_out.append(src.to("cuda"))))
+    assert same_bits(dst, src) and same_bits(pageable_out[0], src)
+    staged = nbytes / min(staged_s) / 1e9
+    pageable = nbytes / min(pageable_s) / 1e9
+    print(f"copy_to_device {staged:.1f} GB/s, pageable .to('cuda') {pageable:.1f} GB/s")
+    assert staged >= 2.0 * pageable, f"copy_to_device at {staged:.1f} GB/s, pageable .to('cuda') at {pageable:.1f}"
+    assert staged >= 20.0, f"copy_to_device at {staged:.1f} GB/s (design target: 20)"
 
 
 @pytest.mark.multigpu
