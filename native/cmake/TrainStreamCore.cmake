@@ -62,6 +62,9 @@ find_package(nanobind CONFIG REQUIRED)
 
 set(TS_NATIVE_SOURCES
     "${TS_NATIVE_DIR}/src/thread_pool.cpp"
+    "${TS_NATIVE_DIR}/src/host_pool_registry.cpp"
+    "${TS_NATIVE_DIR}/src/host_cpus.cpp"
+    "${TS_NATIVE_DIR}/src/cgroup.cpp"
     "${TS_NATIVE_DIR}/src/cuda_check.cpp"
     "${TS_NATIVE_DIR}/src/host_memory_info.cpp")
 

@@ -1,9 +1,17 @@
-// One host thread pool per process, sized to the physical cores.
+// One host thread pool per process, shared by every TrainStream core.
 //
 // parallel_for splits [0, n) into chunks that the pool's workers and the
-// calling thread take in turn. One parallel_for runs at a time (the host's
-// memory bandwidth is the shared resource, so two would only slow each other);
-// a call from inside a worker runs inline so nesting cannot deadlock.
+// calling thread take in turn. One parallel_for runs at a time, across all
+// cores of the process (the host's memory bandwidth is the shared resource, so
+// two would only slow each other); a call from inside a chunk runs inline so
+// nesting cannot deadlock.
+//
+// Each core carries this implementation, but at import (register_common) the
+// first core publishes its pool as a C table (ts/host_pool_abi.h) and the
+// others use that one, so the process has one set of workers. The pool starts
+// its workers at the first parallel_for, sized to the physical cores this
+// process may use (affinity and cgroup quota, ts/host_cpus.h); a child forked
+// at any time gets a fresh pool at its first parallel_for.
 #pragma once
 
 #include <condition_variable>
@@ -13,56 +21,53 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
-#include <vector>
+
+#include "ts/host_cpus.h"
+#include "ts/host_pool_abi.h"
 
 namespace ts {
 
-// Cores that are not hyper-thread siblings, read from /proc/cpuinfo; falls back
-// to std::thread::hardware_concurrency().
-int physical_core_count();
-
-class ThreadPool {
+class HostPool {
 public:
     // chunk_fn(begin, end) handles one contiguous range.
     using ChunkFn = std::function<void(int64_t, int64_t)>;
 
-    explicit ThreadPool(int threads);
-    ~ThreadPool();
-    ThreadPool(const ThreadPool&) = delete;
-    ThreadPool& operator=(const ThreadPool&) = delete;
-
     // Runs chunk_fn over [0, n) in chunks of at least `grain` items, using at
-    // most `max_threads` threads (0: all). Rethrows the first exception.
-    void parallel_for(int64_t n, int64_t grain, const ChunkFn& chunk_fn, int max_threads = 0);
+    // most `max_threads` threads (0: all). Rethrows the first exception (the
+    // remaining chunks are skipped).
+    void parallel_for(int64_t n, int64_t grain, const ChunkFn& chunk_fn, int max_threads = 0) const;
 
-    int size() const { return static_cast<int>(workers_.size()) + 1; }
-
-private:
-    struct Job;
-    void worker_loop();
-    static void run_chunks(Job& job);
-
-    std::vector<std::thread> workers_;
-    std::mutex submit_mutex_;  // one parallel_for at a time
-    std::mutex mutex_;
-    std::condition_variable wake_;
-    std::condition_variable done_;
-    Job* job_ = nullptr;
-    uint64_t generation_ = 0;
-    int busy_ = 0;
-    bool stop_ = false;
+    // Threads the next parallel_for may use, the caller included.
+    int size() const;
 };
 
-// The process-wide pool (created on first use with physical_core_count()).
-ThreadPool& host_pool();
+// The pool this core uses (the process-wide one once register_common ran).
+const HostPool& host_pool();
 
-// Threads the pool was created with, or will be.
+// Threads of the pool in use (its configured size).
 int host_pool_threads();
 
-// Sets the size of the process-wide pool; only before its first use.
-// Returns false when the pool already exists.
-bool set_host_pool_threads(int threads);
+// Sizes the pool in use; the workers are started or stopped at the next
+// parallel_for (after any running one). ValueError unless
+// 1 <= threads <= max_host_threads().
+void set_host_pool_threads(int64_t threads);
+
+// "use 1 to N (...)": the accepted thread counts, for messages.
+std::string host_threads_range();
+
+// This core's own pool as a C table (what it publishes).
+const ts_host_pool_api& local_host_pool_api(const char* provider_name = nullptr);
+
+// The table parallel_for goes through; set once at module init by the registry.
+const ts_host_pool_api& active_host_pool_api();
+void use_host_pool_api(const ts_host_pool_api& api);
+
+// Finds the process-wide pool on `sys` or publishes this core's (needs the
+// GIL: call from module init). Returns "" or a warning explaining why this
+// core falls back to its own pool.
+std::string bind_process_host_pool(const char* module_name);
 
 // A single background thread that runs tasks in submission order: the place
 // for asynchronous host work (an optimizer step while backward continues).

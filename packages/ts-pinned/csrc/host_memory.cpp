@@ -42,6 +42,10 @@ std::string describe_host_limits() {
     }
     ts::HostMemoryInfo info = ts::host_memory_info();
     if (info.total > 0) out << ", " << format_bytes(info.available) << " of RAM available";
+    if (info.cgroup_version != 0) {
+        out << " (cgroup v" << info.cgroup_version << " memory limit " << format_bytes(info.cgroup_limit) << ", "
+            << format_bytes(info.cgroup_usage) << " used)";
+    }
     return out.str();
 }
 
