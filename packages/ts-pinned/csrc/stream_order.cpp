@@ -213,7 +213,8 @@ void register_stream_order(nb::module_& m) {
     m.def("stream_wait_value", &wait_value, nb::arg("stream").none(), nb::arg("address").none(),
           nb::arg("value").none(), nb::sig("def stream_wait_value(stream: int, address: int, value: int) -> None"),
           "Enqueues on CUDA stream `stream` a wait until the uint64 at device address `address` is >= "
-          "`value` (cyclic: (int64)(*address - value) >= 0); later work of the stream waits. Never blocks.");
+          "`value` (cyclic: (int64)(*address - value) >= 0); later work of the stream waits. Never blocks. "
+          "Enqueue it after the write that releases it: CUDA does not see this dependency (docs/pinned.md).");
     m.def("stream_value_ops_available", &value_ops_available, nb::arg("device") = 0,
           "True when stream_write_value/stream_wait_value can run on CUDA device `device`; False in a "
           "CPU-only build, without a driver, or when the device lacks 64-bit stream memory operations.");
