@@ -8,6 +8,7 @@ import pytest
 import torch
 import trainstream
 from ts_quant import QuantLinear
+from ts_quant.reference import quantize_reference
 from ts_testing import batches, loss_of, tiny_llama
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
@@ -21,6 +22,28 @@ def _frozen_base(layers: int = 2) -> torch.nn.Module:
             if isinstance(module, torch.nn.Linear):
                 module.weight.requires_grad_(False)
     return model
+
+
+def _block_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [m.weight for b in trainstream.find_blocks(model) for m in b.modules() if type(m) is torch.nn.Linear]
+
+
+def _format_bytes(fmt: str, rows: int, cols: int) -> int:
+    """Stored bytes of one [rows, cols] weight, by the format's definition (default blocks, docs/quant.md)."""
+    n = rows * cols
+    if fmt == "int8":  # an int8 code per value, an fp32 scale per 64 values
+        return n + 4 * -(-n // 64)
+    if fmt == "nf4":  # two 4-bit codes a byte, an fp32 absmax per 64 values
+        return -(-n // 2) + 4 * -(-n // 64)
+    if fmt == "fp8":  # an e4m3 code per value, an fp32 scale per 128 x 128 tile
+        return n + 4 * -(-rows // 128) * -(-cols // 128)
+    assert fmt == "nvfp4"  # e2m1 codes two a byte, an e4m3 scale per 16 values, one fp32 scale per tensor
+    return -(-n // 2) + -(-n // 16) + 4
+
+
+def _reference_bytes(w: torch.Tensor, fmt: str) -> int:
+    """Stored bytes of ts_quant.reference's encoding of w (codes, scales, per-tensor scale)."""
+    return sum(t.numel() * t.element_size() for t in quantize_reference(w, fmt) if t is not None)
 
 
 def _dequantized_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
@@ -37,14 +60,15 @@ def _dequantized_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
 def test_quantize_model_replaces_only_frozen_block_linears(fmt):
     model = _frozen_base()
     head, embed = model.lm_head, model.model.embed_tokens
+    weights = [w.detach().clone() for w in _block_weights(model)]
     result = trainstream.quantize_model(model, fmt)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert result["tensors"] == len(quantized) == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert model.lm_head is head and model.model.embed_tokens is embed  # outside the blocks
     assert all(q.qweight.format == fmt for q in quantized)
-    expected = sum(q.qweight.nbytes for q in quantized)
-    assert result["bytes_after"] == expected
-    assert result["bytes_before"] == sum(q.in_features * q.out_features * 4 for q in quantized)
+    expected = sum(_format_bytes(fmt, *w.shape) for w in weights)
+    assert result["bytes_after"] == expected == sum(_reference_bytes(w, fmt) for w in weights)
+    assert result["bytes_before"] == sum(w.numel() * 4 for w in weights)
     assert result["bytes_after"] < result["bytes_before"] / 3
 
 
@@ -121,15 +145,21 @@ def test_auto_picks_the_first_format_that_fits():
 
     model = _frozen_base()
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    block_values = sum(m.weight.numel() for b in trainstream.find_blocks(model) for m in b.modules()
-                       if isinstance(m, torch.nn.Linear))
-    rest = total - 4 * block_values  # fp32 weights
+    weights = _block_weights(model)
+    rest = total - sum(w.numel() * 4 for w in weights)  # all but the fp32 block weights
+    # What the model takes with its block weights stored int8 / NF4, counted from the formats' definitions:
+    # a budget of exactly that picks the format, one byte less does not.
+    as_int8 = rest + sum(_format_bytes("int8", *w.shape) for w in weights)
+    as_nf4 = rest + sum(_format_bytes("nf4", *w.shape) for w in weights)
+    assert as_nf4 < as_int8 < total
     assert choose_quantize(model, total)[0] is None
-    assert choose_quantize(model, int(rest + 1.0625 * block_values) + 1)[0] == "int8"
-    fmt, why = choose_quantize(model, int(rest + 0.5625 * block_values) + 1)
+    assert choose_quantize(model, total - 1)[0] == "int8"
+    assert choose_quantize(model, as_int8)[0] == "int8"
+    fmt, why = choose_quantize(model, as_int8 - 1)
     assert fmt == "nf4" and "exceed" in why
+    assert choose_quantize(model, as_nf4)[0] == "nf4"
     with pytest.raises(MemoryError, match="even NF4"):
-        choose_quantize(model, int(rest + 0.5625 * block_values) - 1)
+        choose_quantize(model, as_nf4 - 1)
 
 
 def test_quantize_choices_are_checked():

@@ -7,9 +7,7 @@
 #include <optional>
 
 #include "kernels.h"
-#ifdef TS_WITH_SM90A
-#include "sm90/fused_linear.h"
-#endif
+#include "sm90/fused_linear.h"  // declarations only: the definitions exist where TS_WITH_SM90A is set
 #include "ts/bindings.h"
 #include "ts/ndarray.h"
 
@@ -125,10 +123,19 @@ void fp8_act_quant(AnyArray x, ByteArray codes, FloatArray scales, int64_t m, in
 #endif
 }
 
+constexpr bool built_with_sm90a() {
+#ifdef TS_WITH_SM90A
+    return true;
+#else
+    return false;
+#endif
+}
+
 bool fused_linear_available(int device) {
 #ifdef TS_WITH_SM90A
     return fused_linear_supported(device);
 #else
+    (void)device;
     return false;
 #endif
 }
@@ -136,8 +143,8 @@ bool fused_linear_available(int device) {
 // out [m, n] = x [m, k] @ dequantize(W [n, k])^T (+ bias) on Hopper, without a bf16 copy of W.
 void fused_linear(int format, AnyArray x, ByteArray codes, AnyArray scales,
                   std::optional<FloatArray> global, int64_t block, int64_t n, std::optional<AnyArray> bias,
-                  AnyArray out, FloatArray workspace, nb::ndarray<int32_t, nb::c_contig> flags, int epoch,
-                  uintptr_t stream, int tile_m) {
+                  AnyArray out, FloatArray workspace, nb::ndarray<int32_t, nb::c_contig> flags,
+                  nb::ndarray<int64_t, nb::c_contig> epoch, uintptr_t stream, int tile_m) {
     TS_CHECK_ARG(format == int(Format::int8) || format == int(Format::nf4) || format == int(Format::nvfp4),
                  "fused_linear: format must be int8, nf4 or nvfp4");
     TS_CHECK_ARG(x.ndim() == 2 && out.ndim() == 2, "fused_linear: x and out must be 2-D");
@@ -163,19 +170,23 @@ void fused_linear(int format, AnyArray x, ByteArray codes, AnyArray scales,
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     TS_CHECK_ARG(aligned(x.data()) && aligned(codes.data()) && aligned(scales.data()),
                  "fused_linear: x, codes and scales must be 16-byte aligned");
-    TS_CHECK_ARG(on_device(workspace) && on_device(flags) && flags.size() >= 1, "fused_linear: workspace and flags "
-                                                                                "must be on x's device");
-    TS_CHECK_ARG(fused_linear_available(device), "fused_linear: needs a compute capability 9.0 GPU and a build with "
-                                                 "sm_90 in TS_CUDA_ARCHITECTURES");
-#ifdef TS_WITH_SM90A
+    TS_CHECK_ARG(on_device(workspace) && on_device(flags) && on_device(epoch) && flags.size() >= 1 &&
+                     epoch.size() == 1 && reinterpret_cast<uintptr_t>(epoch.data()) % 8 == 0,
+                 "fused_linear: workspace, flags and the one-word epoch must be on x's device");
     const int64_t slots = static_cast<int64_t>(flags.size());
     TS_CHECK_ARG(workspace.size() >= size_t(slots * kFusedSlotFloats), "fused_linear: the workspace needs ",
                  kFusedSlotFloats, " floats per flag");
-#endif
+    if (!built_with_sm90a())
+        throw_fused_unavailable("fused_linear: this build is missing sm_90a (rebuild with 90 in "
+                                "TS_CUDA_ARCHITECTURES, with a CUDA toolkit)");
+    if (!fused_linear_available(device))
+        throw_fused_unavailable("fused_linear: needs a compute capability 9.0 GPU (H100/H200); device ", device,
+                                " is not one");
 #ifdef TS_WITH_SM90A
     fused_linear_sm90(static_cast<Format>(format), x.data(), m, k, codes.data(), scales.data(),
                       global ? global->data() : nullptr, block, n, bias ? bias->data() : nullptr, out.data(), tile_m,
-                      workspace.data(), flags.data(), slots, epoch, device, stream);
+                      workspace.data(), flags.data(), slots, reinterpret_cast<unsigned long long*>(epoch.data()),
+                      device, stream);
 #endif
 }
 
@@ -183,6 +194,8 @@ void fused_linear(int format, AnyArray x, ByteArray codes, AnyArray scales,
 
 NB_MODULE(_core, m) {
     ts::register_common(m);
+    nb::exception<FusedLinearUnavailable>(m, "FusedLinearUnavailable", PyExc_RuntimeError);
+    m.attr("built_with_sm90a") = built_with_sm90a();
     m.def("quantize", &quantize, nb::arg("format"), nb::arg("x"), nb::arg("data").noconvert(),
           nb::arg("scales").noconvert(), nb::arg("global_scale").none(), nb::arg("n"), nb::arg("block"),
           nb::arg("rows"), nb::arg("cols"), nb::arg("stream"),
@@ -198,6 +211,6 @@ NB_MODULE(_core, m) {
           "Whether fused_linear runs on this CUDA device (compute capability 9.0 and an sm_90a build).");
     m.def("fused_linear", &fused_linear, nb::arg("format"), nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("global_scale").none(), nb::arg("block"), nb::arg("n"),
           nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("workspace").noconvert(),
-          nb::arg("flags").noconvert(), nb::arg("epoch"), nb::arg("stream"), nb::arg("tile_m") = 0,
+          nb::arg("flags").noconvert(), nb::arg("epoch").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
           "out = x @ dequantize(W)^T (+ bias) on Hopper tensor cores, decoding int8/nf4/nvfp4 codes in registers.");
 }

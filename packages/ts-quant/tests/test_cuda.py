@@ -109,7 +109,12 @@ def test_nvfp4_scaled_mm_path_on_blackwell():
         torch.testing.assert_close(y.float(), emulated.float(), rtol=2e-2, atol=2e-2 * emulated.abs().max().item())
 
 
-def test_cuda_tensor_on_other_device_is_refused_or_handled():
+def test_operands_on_different_devices_are_refused_naming_both():
     q = ts_quant.quantize(torch.randn(64, 64, device="cuda"), "nf4")
-    with pytest.raises(ValueError, match="on"):
+    with pytest.raises(ValueError, match=r"^x is on cpu but qweight on cuda:0; move one with \.to\(\)$"):
         ts_quant.quantized_linear(torch.randn(2, 64), q)
+    with pytest.raises(ValueError, match=r"^x is on cuda:0 but qweight on cpu; move one with \.to\(\)$"):
+        ts_quant.quantized_linear(torch.randn(2, 64, device="cuda"), ts_quant.quantize(torch.randn(64, 64), "nf4"))
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match=r"^x is on cuda:1 but qweight on cuda:0"):
+            ts_quant.quantized_linear(torch.randn(2, 64, device="cuda:1"), q)

@@ -10,10 +10,14 @@ pytestmark = pytest.mark.cuda
 
 
 def _needs_sm90():
+    """Skips off compute capability 9.0; on it, a build without the fused kernel fails (never skips)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused kernel is built for sm_90a (H100/H200) only")
-    if not ts_quant._core.fused_linear_available(torch.cuda.current_device()):
-        pytest.skip("this build has no sm_90a kernels (TS_CUDA_ARCHITECTURES without 90)")
+    assert ts_quant._core.built_with_cuda and ts_quant._core.built_with_sm90a, (
+        "this build is missing sm_90a: the fused kernel is not in it, on a compute capability 9.0 GPU. "
+        "Reinstall ts-quant with a CUDA toolkit and TS_ENABLE_CUDA=ON TS_CUDA_ARCHITECTURES including 90")
+    assert ts_quant._core.fused_linear_available(torch.cuda.current_device()), (
+        "the build has sm_90a but fused_linear_available() says no on this compute capability 9.0 GPU")
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -110,3 +114,80 @@ def test_fused_empty_batch_and_fallbacks():
         assert ts_quant.linear_path(torch.zeros(2, 128, device="cuda", dtype=torch.bfloat16), q) == "fused_sm90"
     finally:
         ts_quant.configure_linear(fused_max_rows=limit)
+
+
+# ---- CUDA graphs: the stream-K epoch lives on the device, so replays never see stale partial sums ----
+# (format, m, n, k). The first three put one 128-row tile over every SM (256 k tiles over 132 blocks):
+# its finishing block sums ~131 partials as they land, so flags left by the last replay would hand it
+# that replay's partials (the bug of an epoch frozen into the graph as a kernel argument).
+GRAPH_CASES = [("int8", 64, 128, 16384), ("nf4", 64, 128, 16384), ("nvfp4", 64, 128, 16384),
+               ("nf4", 300, 640, 2048), ("int8", 130, 264, 1024), ("nvfp4", 513, 384, 1024)]
+
+
+def _capture(fn, static_x, warm_stream):
+    """A CUDA graph of fn(static_x) and its static output. warm_stream: first run fn eagerly on the
+    capture stream, so its stream-K state (flags holding earlier launches' tokens) predates the capture,
+    as after a warm-up; otherwise that state is created (zero-filled) inside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    if warm_stream:
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = fn(static_x)
+    return graph, static_out
+
+
+@pytest.mark.parametrize("fmt,m,n,k", GRAPH_CASES)
+@pytest.mark.parametrize("warm_stream", [True, False])
+def test_graph_replays_of_quantized_linear_match_eager_and_reference(fmt, m, n, k, warm_stream):
+    _needs_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    q = ts_quant.quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.05, fmt)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    static_x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    assert ts_quant.linear_path(static_x, q) == "fused_sm90"
+    graph, static_out = _capture(lambda x: ts_quant.quantized_linear(x, q, bias), static_x, warm_stream)
+    wd = q.dequantize(torch.bfloat16).double()
+    for replay in range(8):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        static_x.copy_(x)
+        graph.replay()
+        eager = ts_quant.quantized_linear(x, q, bias)
+        ref = x.double() @ wd.t() + bias.double()
+        assert torch.equal(static_out, eager), f"replay {replay}: the graph's output differs from the eager call"
+        error = _relative_error(static_out, ref)
+        assert error < 4e-3, f"replay {replay}: relative error {error} against dequantize + matmul"
+
+
+def test_graph_of_a_quantlinear_stack_replays_three_fused_launches():
+    """int8, nf4 and nvfp4 QuantLinear layers in one graph: three launches per replay share one state."""
+    _needs_sm90()
+    torch.manual_seed(3)
+    dims, formats = (1024, 2048, 1024, 512), ("int8", "nf4", "nvfp4")
+    layers = [ts_quant.QuantLinear.from_linear(torch.nn.Linear(a, b, device="cuda", dtype=torch.bfloat16), fmt)
+              for a, b, fmt in zip(dims, dims[1:], formats)]
+    model = torch.nn.Sequential(*layers)
+
+    def forward(x):
+        with torch.no_grad():
+            return model(x)
+
+    static_x = torch.randn(48, dims[0], device="cuda", dtype=torch.bfloat16)
+    assert all(ts_quant.linear_path(torch.zeros(48, layer.in_features, device="cuda", dtype=torch.bfloat16),
+                                    layer.qweight) == "fused_sm90" for layer in layers)
+    graph, static_out = _capture(forward, static_x, warm_stream=True)
+    for replay in range(6):
+        x = torch.randn_like(static_x)
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(static_out, forward(x)), f"replay {replay}: the graph's output differs from eager"
+        ref = x
+        for layer in layers:  # dequantize + matmul, rounded to bf16 between layers as the kernel does
+            w = layer.qweight.dequantize(torch.bfloat16).double()
+            ref = (ref.double() @ w.t() + layer.bias.detach().double()).to(torch.bfloat16)
+        error = _relative_error(static_out, ref.double())
+        assert error < 1e-2, f"replay {replay}: relative error {error} against dequantize + matmul"

@@ -168,11 +168,27 @@ struct Schedule {
     __device__ __forceinline__ int owner(int64_t it) const { return int(((it + 1) * grid - 1) / iterations); }
 };
 
+// Which launch a flag belongs to is kept on the device, not passed by the host, so a captured CUDA
+// graph replays correctly: a kernel argument would be frozen into the graph, and every replay would
+// take the ready flags its previous replay left for this one (summing stale partials).
+//
+// `epoch` is one 64-bit word: high half the token of the last launch that completed on it, low half
+// the CTAs of the running launch that have taken their ticket. Each CTA makes exactly one atomicAdd
+// of 1 (its ticket) and derives the launch's token as high + 1 (0 skipped: zeroed flags hold it).
+// All tickets of a launch see the same high half, as only the adds of this launch touch the word
+// until the CTA whose ticket was grid - 1 (so the last: all others have taken theirs) stores
+// {token, 0} (after its own add in the word's coherence order, being one thread on one address).
+// The next launch on the stream starts after this one completed, so it reads the new word.
 struct Partials {
-    float* workspace;  // [grid][BM / 2][256] fp32: slot of each CTA, accumulator-major
-    int* flags;        // [grid]: a slot is ready when its flag holds this launch's epoch
-    int epoch;         // differs from every value the flags held before (the caller counts launches)
+    float* workspace;          // [grid][BM / 2][256] fp32: slot of each CTA, accumulator-major
+    int* flags;                // [grid]: a slot is ready when its flag holds this launch's token
+    unsigned long long* epoch; // {last token, tickets taken}, zeroed by the caller before first use
 };
+
+__device__ __forceinline__ int launch_token(unsigned long long ticket) {
+    const uint32_t last = uint32_t(ticket >> 32);
+    return int(last == 0xffffffffu ? 1u : last + 1u);  // 1, 2, ..., 2^32 - 1, 1, ...: never 0
+}
 
 template <Format F, int BM>
 __global__ void __launch_bounds__(kFusedThreads, 1)
@@ -244,6 +260,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+    // Thread 0 alone signals and waits on flags. Its ticket is first needed after the first segment's
+    // main loop, so the atomic's latency hides behind the pipeline fill.
+    unsigned long long ticket = 0;
+    if (threadIdx.x == 0) ticket = atomicAdd(partials.epoch, 1ull);
     const int group = warp / 4, g = lane / 4, t = lane % 4;
     const int local0 = group * 64 + (warp % 4) * 16 + g;  // rows local0 and local0 + 8 of the CTA tile
     const float global = F == Format::nvfp4 ? __ldg(a.global_scale) : 0.0f;
@@ -319,14 +339,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
             for (int e = 0; e < BM / 2; ++e) __stcg(slot + e * kConsumers, acc[e]);
             __threadfence();
             consumers_sync();
-            if (threadIdx.x == 0) atomicExch(partials.flags + blockIdx.x, partials.epoch);
+            if (threadIdx.x == 0) atomicExch(partials.flags + blockIdx.x, launch_token(ticket));
             continue;
         }
         // Finishing CTA: add the partials of the CTAs that hold the rest of the tile, in k order.
         for (int64_t rest = int64_t(seg.tile) * kt_count + seg.ke; rest < int64_t(seg.tile + 1) * kt_count;) {
             const int cta = sched.owner(rest);
             if (threadIdx.x == 0) {
-                while (atomicAdd(partials.flags + cta, 0) != partials.epoch) __nanosleep(256);
+                const int token = launch_token(ticket);
+                while (atomicAdd(partials.flags + cta, 0) != token) __nanosleep(256);
                 __threadfence();
             }
             consumers_sync();
@@ -374,7 +395,36 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
             }
         }
     }
+    // The CTA that took the launch's last ticket hands the next launch its epoch (see Partials).
+    if (threadIdx.x == 0 && uint32_t(ticket) == uint32_t(sched.grid - 1))
+        atomicExch(partials.epoch, static_cast<unsigned long long>(uint32_t(launch_token(ticket))) << 32);
 #endif
+}
+
+// Errors by which the runtime says this kernel cannot run on this device and driver (no image for
+// it, more shared memory or registers than it has): FusedLinearUnavailable. Anything else (a broken
+// context, a capture gone wrong, memory) is a RuntimeError that must reach the caller.
+bool means_unavailable(cudaError_t status) {
+    switch (status) {
+        case cudaErrorInvalidDeviceFunction:
+        case cudaErrorNoKernelImageForDevice:
+        case cudaErrorInvalidKernelImage:
+        case cudaErrorUnsupportedPtxVersion:
+        case cudaErrorInvalidConfiguration:
+        case cudaErrorLaunchOutOfResources:
+        case cudaErrorInvalidValue:  // cudaFuncSetAttribute: more dynamic shared memory than the device has
+            return true;
+        default:
+            return false;
+    }
+}
+
+void check_available(cudaError_t status, const char* call) {
+    if (status == cudaSuccess) return;
+    if (means_unavailable(status))
+        throw_fused_unavailable("fused linear: ", call, " failed with ", cudaGetErrorName(status), " (",
+                                cudaGetErrorString(status), "): this device or build cannot run the sm_90a kernel");
+    ts::cuda_check(status, call, __FILE__, __LINE__);
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -383,7 +433,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
         cudaDriverEntryPointQueryResult found{};
         TS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
         if (found != cudaDriverEntryPointSuccess || fn == nullptr)
-            ts::throw_runtime_error("fused linear: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12+)");
+            throw_fused_unavailable("fused linear: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12+)");
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }();
     return encode;
@@ -400,6 +450,8 @@ CUtensorMap tensor_map_2d(CUtensorMapDataType type, const void* base, int64_t in
     const CUresult r = tensor_map_encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box,
                                             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r == CUDA_ERROR_INVALID_VALUE)  // a geometry the tensor-memory accelerator does not take
+        throw_fused_unavailable("fused linear: cuTensorMapEncodeTiled refused a ", outer, " x ", inner, " operand");
     if (r != CUDA_SUCCESS) ts::throw_runtime_error("fused linear: cuTensorMapEncodeTiled failed with error ", int(r));
     return map;
 }
@@ -414,14 +466,15 @@ void launch(const void* x, const uint8_t* codes, const FusedArgs& a, const Parti
     const CUtensorMap code_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, codes, row_bytes, a.n, row_bytes,
                                                L::kCodeRowBytes, kTileN, CU_TENSOR_MAP_SWIZZLE_NONE);
     auto kernel = fused_linear_kernel<F, BM>;
-    TS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::kSmem)));
+    check_available(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::kSmem)),
+                    "cudaFuncSetAttribute");
     Schedule sched{};
     sched.tiles_n = (a.n + kTileN - 1) / kTileN;
     sched.k_tiles = a.k / kTileK;
     sched.iterations = int64_t(sched.tiles_n) * ((a.m + BM - 1) / BM) * sched.k_tiles;
     sched.grid = int(sched.iterations < max_grid ? sched.iterations : max_grid);
     kernel<<<sched.grid, kFusedThreads, L::kSmem, stream>>>(x_map, code_map, a, sched, partials);
-    TS_CUDA_CHECK_LAUNCH();
+    check_available(cudaGetLastError(), "the kernel launch");
 }
 
 template <Format F>
@@ -447,8 +500,8 @@ bool fused_linear_supported(int device) {
 
 void fused_linear_sm90(Format format, const void* x, int64_t m, int64_t k, const uint8_t* codes,
                        const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int tile_m, float* workspace, int* flags, int64_t slots, int epoch, int device,
-                       uintptr_t stream) {
+                       void* out, int tile_m, float* workspace, int* flags, int64_t slots,
+                       unsigned long long* epoch, int device, uintptr_t stream) {
     TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
     TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
     TS_CHECK_ARG((block & (block - 1)) == 0 && (format == Format::nvfp4 ? block == 16 : block >= 32),

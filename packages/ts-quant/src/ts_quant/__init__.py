@@ -2,6 +2,7 @@
 QuantizedTensor, and a quantized linear layer for LoRA-style training."""
 
 from ._formats import DEFAULT_BLOCK, FORMATS
+from ._fused import FusedLinearUnavailable
 from ._linear import QuantLinear, configure_linear, linear_path, quantized_linear
 from ._scaled import fp8_linear_emulated, nvfp4_columns, nvfp4_linear_emulated
 from ._swizzle import swizzle_block_scales
@@ -11,6 +12,7 @@ from .reference import dequantize_reference, quantize_reference
 __all__ = [
     "DEFAULT_BLOCK",
     "FORMATS",
+    "FusedLinearUnavailable",
     "QuantLinear",
     "QuantizedTensor",
     "configure_linear",

@@ -19,7 +19,9 @@ __all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
 # H200 (W 13824x5120, docs/quant.md): fused is faster up to 1024 rows, one dequantize plus cuBLAS's
 # bf16 matmul from 1536 rows on.
 _settings = {"tiles": 1, "fused": True, "fused_max_rows": 1024}
-_broken: set[str] = set()  # tensor-core paths that failed once in this process
+# torch scaled_mm paths this torch build refused (its feature checks fail the same way on every call).
+# The fused path is never put here: it says per call, by FusedLinearUnavailable, when it cannot run.
+_broken: set[str] = set()
 
 
 def configure_linear(tiles: int | None = None, fused: bool | None = None, fused_max_rows: int | None = None) -> dict:
@@ -64,10 +66,26 @@ def linear_path(x: torch.Tensor, qweight: QuantizedTensor) -> str:
             and _capability(x.device)[0] >= 10 and k % 32 == 0 and hasattr(torch, "float4_e2m1fn_x2")):
         return "nvfp4_scaled_mm"
     rows = x.numel() // max(1, x.shape[-1])
-    if ("fused_sm90" not in _broken and _settings["fused"] and rows <= _settings["fused_max_rows"]
+    if (_settings["fused"] and rows <= _settings["fused_max_rows"]
             and _fused.fused_linear_reason(x, qweight) is None):
         return "fused_sm90"
-    return "dequantize_tiled" if _settings["tiles"] > 1 and n > 1 else "dequantize"
+    return _unfused_path(qweight)
+
+
+def _unfused_path(qweight: QuantizedTensor) -> str:
+    return "dequantize_tiled" if _settings["tiles"] > 1 and qweight.shape[0] > 1 else "dequantize"
+
+
+# Out of memory and CUDA errors (a sticky one leaves the context unusable): never a reason to change
+# paths, always the caller's to see. torch.AcceleratorError is torch's type for CUDA errors (2.8+).
+_TRANSIENT = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if t is not None)
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, _TRANSIENT):
+        return True
+    text = str(error)
+    return "CUDA error" in text or "out of memory" in text or "CUBLAS_STATUS_EXECUTION_FAILED" in text
 
 
 def _check_operands(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tensor | None, outliers: float) -> None:
@@ -92,14 +110,22 @@ def _check_operands(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tenso
 
 def _forward(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, outliers: float) -> torch.Tensor:
     path = linear_path(x2d, q)
-    if path in ("fp8_scaled_mm", "nvfp4_scaled_mm", "fused_sm90"):
+    if path == "fused_sm90":
+        try:
+            return _fused.fused_linear(x2d, q, bias, check=False)  # linear_path just checked the operands
+        except _fused.FusedLinearUnavailable as error:  # this call only: the path stays on
+            warnings.warn(f"ts_quant: fused_sm90 cannot run here ({error}); this call uses dequantize + matmul",
+                          RuntimeWarning, stacklevel=3)
+            path = _unfused_path(q)
+    elif path in ("fp8_scaled_mm", "nvfp4_scaled_mm"):
         try:
             if path == "fp8_scaled_mm":
                 return _scaled.fp8_scaled_mm_linear(x2d, q, bias)
-            if path == "fused_sm90":
-                return _fused.fused_linear(x2d, q, bias)
             return _scaled.nvfp4_scaled_mm_linear(x2d, q, bias, outliers)
-        except RuntimeError as error:  # an unsupported torch build: fall back once, loudly
+        except (RuntimeError, NotImplementedError) as error:
+            if _is_transient(error):
+                raise
+            # torch's own checks refused the call: this torch build lacks the path; fall back once, loudly.
             _broken.add(path)
             warnings.warn(f"ts_quant: {path} failed ({error}); using dequantize + matmul from now on",
                           RuntimeWarning, stacklevel=3)
