@@ -71,6 +71,13 @@ def test_cuda_without_a_gpu_is_refused_up_front(capsys, monkeypatch):
     assert "argument --device: cuda:0: torch" in _refused(["--device", "cuda:0"], capsys, monkeypatch)
 
 
+@pytest.mark.cuda
+def test_a_gpu_the_machine_lacks_is_refused_up_front(capsys, monkeypatch):
+    count = torch.cuda.device_count()
+    err = _refused(["--device", f"cuda:{count}"], capsys, monkeypatch)
+    assert f"argument --device: cuda:{count}: this machine has cuda:0..cuda:{count - 1}" in err
+
+
 def test_an_unwritable_json_path_is_refused_before_training(tmp_path, capsys, monkeypatch):
     missing = tmp_path / "no-such-folder" / "run.json"
     err = _refused(["--json", str(missing)], capsys, monkeypatch)
