@@ -6,13 +6,13 @@
 from ts_pinned import reserve_pinned
 
 from ._blocks import find_blocks
-from .engine import transfer_stats
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
 from ._quantize import quantize_model
 from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
+from .engine import transfer_stats
 
 __all__ = [
     "OffloadAdamW",

@@ -119,10 +119,10 @@ class TrainStreamSession:
         what = {"host": "host AdamW on CPU threads", "mapped": "CUDA AdamW over mapped host memory (zero-copy)"}
         self.events.add("optimizer", f"optimizer_mode={mode!r}: {what[initial]}; gradients stream to host memory "
                                      f"during backward" + ("" if on_gpu else " (model on the CPU: memory copies)"))
-        ordering = ("on the device" if self.engine.channel.device_ordered else
-                    "by the host" if not on_gpu else "by the host (no stream memory operations on this GPU)")
+        ordering = ("step() returns once the last update is issued; the GPU waits for the uploads" if on_gpu
+                    else "step() returns once the updates are applied")
         self.events.add("optimizer", f"guard_params={options.guard_params}: " + (
-            f"reads of a weight after step() see its update (ordered {ordering})" if options.guard_params else
+            f"reads of a weight after step() see its update ({ordering})" if options.guard_params else
             "reads after step() outside a forward may see the previous weight until synchronize()"))
         self.adapting = on_gpu and (options.offload == "auto" or mode == "auto")
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
@@ -133,10 +133,7 @@ class TrainStreamSession:
         self._hooks.append(hook)
         self._handles.append(register(hook))
 
-    # A copy of a wrapped model is a plain model: its session copies (and pickles) as None.
-    def __deepcopy__(self, memo):
-        return None
-
+    # A copy of a wrapped model (copy.deepcopy, torch.save) is a plain model: its session copies as None.
     def __reduce__(self):
         return (_no_session, ())
 

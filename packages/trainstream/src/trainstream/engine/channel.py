@@ -2,11 +2,15 @@
 
 A CUDA channel owns a device-to-host, a host-to-device and an optimizer stream per device; copies
 are ordered against compute with events, never with a device synchronize. Host updates are
-numbered in the order they are queued (their *sequence*); after each weight upload the H2D
-stream writes that number into a counter in device memory, so the compute stream can wait on
-the device for "upload n has landed" even before the host worker has issued it
-(``cuStreamWaitValue64`` through ts-pinned). Without stream memory operations the channel falls
-back to a host wait until the upload is issued, then an event wait.
+numbered in the order they are queued (their *sequence*). To order the compute stream after
+upload n, the host waits until the worker has *issued* it (not until it lands), then the compute
+stream waits on its event on the device.
+
+Why not a device-side wait on a counter the H2D stream writes (``cuStreamWaitValue64``), which
+would not block the host at all? Such a wait is invisible to CUDA: when it is enqueued before
+the write that releases it and the two streams share a hardware queue (8 by default, 1 under
+``CUDA_DEVICE_MAX_CONNECTIONS=1``), the write sits behind the wait forever. A wait enqueued
+after its write is safe, but then an event does the same job.
 
 The host channel is the same interface for a model on the CPU: copies happen at once, every
 token is complete, and waiting for an upload means waiting for the worker.
@@ -18,7 +22,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-import ts_pinned
 
 __all__ = ["CudaChannel", "HostChannel", "UploadMarks", "channel_for", "transfer_stats"]
 
@@ -26,13 +29,11 @@ WaitApplied = Callable[[int], None]  # blocks until the worker has handled every
 
 
 class UploadMarks:
-    """One engine's upload counter: the sequence of the last upload that has landed, in device
-    memory, written only by that engine's worker through the H2D stream (so it only grows)."""
+    """One engine's newest upload: its H2D stream is first in, first out, so once that upload has
+    landed every earlier one has too. Written by the engine's worker only."""
 
-    def __init__(self, device: torch.device):
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device) if device.type == "cuda" else None
-        self.address = self.counter.data_ptr() if self.counter is not None else 0
-        self.last_event = None  # fallback path: the newest upload event
+    def __init__(self) -> None:
+        self.last_event = None
 
 
 class _Stats:
@@ -58,7 +59,6 @@ class HostChannel:
     """Model on the CPU: copies are plain memory copies, complete on return."""
 
     is_cuda = False
-    device_ordered = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -80,7 +80,7 @@ class HostChannel:
     def publish(self, marks: UploadMarks, sequence: int) -> None:
         """A failed update's sequence passes without a copy."""
 
-    def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied) -> None:
+    def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied, event=None) -> None:
         wait_applied(sequence)
 
     def host_wait(self, token) -> None:
@@ -104,8 +104,6 @@ class CudaChannel:
         self.h2d = torch.cuda.Stream(device)
         self.optimizer = torch.cuda.Stream(device)
         self.stats = _Stats()
-        available = getattr(ts_pinned, "stream_value_ops_available", None)
-        self.device_ordered = bool(available is not None and available(device.index))
 
     def mark_compute(self) -> torch.cuda.Event:
         """An event after everything queued so far on the current (compute) stream."""
@@ -131,31 +129,21 @@ class CudaChannel:
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.h2d)
-            self._publish(marks, sequence, done)
+        marks.last_event = done
         self.stats.count("h2d", src.numel() * src.element_size())
         return done
 
     def publish(self, marks: UploadMarks, sequence: int) -> None:
-        """A failed update's sequence passes without a copy (nothing waits forever on it)."""
-        with torch.cuda.device(self.device):
-            done = torch.cuda.Event()
-            done.record(self.h2d)
-            self._publish(marks, sequence, done)
+        """A failed update: nothing to copy (waiters on its sequence are released by the worker)."""
 
-    def _publish(self, marks: UploadMarks, sequence: int, event: torch.cuda.Event) -> None:
-        if self.device_ordered:
-            ts_pinned.stream_write_value(self.h2d.cuda_stream, marks.address, sequence)
-        marks.last_event = event
-
-    def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied) -> None:
-        """The compute stream's next work runs after upload `sequence` (and all before it) landed."""
-        stream = torch.cuda.current_stream(self.device)
-        if self.device_ordered:
-            ts_pinned.stream_wait_value(stream.cuda_stream, marks.address, sequence)
-            return
-        wait_applied(sequence)  # the worker has issued it: the newest upload event covers it
-        if marks.last_event is not None:
-            stream.wait_event(marks.last_event)
+    def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied,
+                            event: torch.cuda.Event | None = None) -> None:
+        """The compute stream's next work runs after upload `sequence` landed: the host waits until it
+        is issued, the device for `event` (default: the newest upload, which covers every earlier one)."""
+        wait_applied(sequence)
+        event = event if event is not None else marks.last_event
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def host_wait(self, token: torch.cuda.Event | None) -> None:
         if token is not None:

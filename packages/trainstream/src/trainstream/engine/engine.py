@@ -48,7 +48,7 @@ class UpdateEngine:
         self.guard_params = guard_params
         self.placement = placement  # where a newly trained parameter's state goes
         self.channel = channel_for(device)
-        self.marks = UploadMarks(device)
+        self.marks = UploadMarks()
         self.host = HostUpdater(self.channel, self.marks, events)
         self.last_grad_norm: float | None = None
         self._clip_scale: float | None = None  # this step's coefficient, kept until all its updates are queued
@@ -210,14 +210,14 @@ class UpdateEngine:
         if written is None:
             return
         if isinstance(written, int):
-            self.channel.order_compute_after(self.marks, written, self.host.wait_applied)
+            self.channel.order_compute_after(self.marks, written, self.host.wait_applied, slot.upload_event)
         else:
             self.channel.compute_wait(written)
         slot.written = None
 
     def guard_reads(self) -> None:
-        """Every weight read after this point sees its update: one device-side wait for all host
-        uploads and one for the device updates (the host waits only on the CPU)."""
+        """Every weight read after this point sees its update: the host waits until the last host update
+        is issued, then the compute stream waits (on the device) for the newest upload and device update."""
         if self.host.submitted:
             self.channel.order_compute_after(self.marks, self.host.submitted, self.host.wait_applied)
         if self._device_done is not None:
@@ -233,7 +233,7 @@ class UpdateEngine:
         errors = self.host.take_errors()
         if not errors:
             return
-        slot, error = errors[0]
+        _slot, error = errors[0]
         names = ", ".join(s.label for s, _ in errors)
         raise UpdateFailed(f"the host AdamW update of {names} failed: {error!r}. Those parameters were left as they "
                            f"were (steps {', '.join(str(s.step) for s, _ in errors)}); the next step trains them "

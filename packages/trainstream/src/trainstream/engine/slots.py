@@ -116,6 +116,7 @@ class ParamSlot:
     grad_token: object = None  # ARRIVED on the host: the device-to-host copy's completion
     hyper: object = None  # ARRIVED / QUEUED: hyper-parameters read when the gradient arrived
     written: object = None  # invariant 6
+    upload_event: object = None  # CUDA: the newest upload of this weight (written by the worker)
     weight_version: int = -1  # the weight as the engine last saw it (user edits change these)
     weight_ptr: int = 0
     hook: object = None

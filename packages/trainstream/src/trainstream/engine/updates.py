@@ -2,9 +2,9 @@
 
 Host updates run on one worker thread, in the order they were queued, each using all of
 ts-adamw's host threads; device and mapped updates are CUDA kernels queued on the optimizer
-stream. Every host update has a sequence number; once its new weight is uploaded (or the update
-failed, leaving everything as it was) the worker marks that sequence done, on the H2D stream
-for the device and in ``applied`` for the host.
+stream. Every host update has a sequence number; once its new weight's upload is issued (or the
+update failed, leaving everything as it was) the worker marks that sequence handled
+in ``applied`` (a condition the main thread can wait on) and keeps the upload's event.
 """
 
 from __future__ import annotations
@@ -187,11 +187,12 @@ class HostUpdater:
         error = None
         try:
             self._channel.host_wait(slot.grad_token)
+            self._channel.host_wait(slot.upload_event)  # the previous upload read out_host: it must be done
             ts_adamw.adamw_step(slot.master, slot.grad_host, slot.exp_avg, slot.exp_avg_sq,
                                 param_out=None if slot.out_host is slot.master else slot.out_host,
                                 **slot.hyper.kwargs(slot.step + 1))
             applied = True
-            self._channel.upload(slot.out_host, flat(slot.param.data), self._marks, sequence)
+            slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks, sequence)
             uploaded = True
         except BaseException as failure:  # reported once, at the next sync point
             error = failure

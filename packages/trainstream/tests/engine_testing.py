@@ -1,0 +1,59 @@
+"""Helpers for the engine's tests: a host update that is slow or fails on demand, and a
+consistency check of every slot."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import ts_adamw
+from trainstream.engine import SlotState
+
+REAL_ADAMW_STEP = ts_adamw.adamw_step
+
+
+def slow_updates(monkeypatch, seconds: float = 0.01) -> None:
+    """Every host update takes at least `seconds`: reads that do not wait for it see the old weight."""
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        REAL_ADAMW_STEP(*args, **kwargs)
+
+    monkeypatch.setattr(ts_adamw, "adamw_step", slow)
+
+
+def failing_update(monkeypatch, index: int, times: int = 1) -> dict:
+    """The host update of parameter `index` raises `times` times, before changing anything (as ts-adamw's
+    own validation does). Relies on wrap(seed=0): each update's rounding seed is its parameter's index."""
+    calls = {"failed": 0}
+
+    def maybe_fail(*args, **kwargs):
+        if kwargs["seed"] == index and calls["failed"] < times:
+            calls["failed"] += 1
+            raise RuntimeError("injected host update failure")
+        REAL_ADAMW_STEP(*args, **kwargs)
+
+    monkeypatch.setattr(ts_adamw, "adamw_step", maybe_fail)
+    return calls
+
+
+def snapshot(model) -> list[dict]:
+    """Every active slot's state after synchronize(): step, master, moments and the weight."""
+    session = model._trainstream_session
+    session.synchronize()
+    return [{"step": s.step, "master": s.master.clone(), "exp_avg": s.exp_avg.clone(),
+             "exp_avg_sq": s.exp_avg_sq.clone(), "weight": s.param.detach().clone()} for s in session.engine.active]
+
+
+def assert_consistent(model) -> None:
+    """Each slot is at rest, and its weight is its master rounded (fp32 models: equal)."""
+    session = model._trainstream_session
+    session.synchronize()
+    for s in session.engine.active:
+        assert s.state in (SlotState.IDLE, SlotState.ACCUMULATING, SlotState.ARRIVED), (s.label, s.state)
+        assert torch.equal(s.param.detach().reshape(-1).to(torch.float32),
+                           s.master.to(s.param.dtype).to(torch.float32)), s.label
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("master", "exp_avg", "exp_avg_sq", "weight"))
