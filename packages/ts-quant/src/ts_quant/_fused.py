@@ -67,7 +67,7 @@ class _StreamKState:
     need clearing and a CUDA graph that captured a call replays it with a fresh epoch each time.
 
     Graphs captured on one stream share its state (as they share cuBLAS's per-stream workspace): replay
-    them one at a time. Created inside a capture, the zero fill is part of that graph, which is fine:
+    them one at a time, and not while fused calls run on that stream. Created inside a capture, the zero fill is part of that graph, which is fine:
     zeroed flags and epoch are a valid state before any launch.
     """
 
