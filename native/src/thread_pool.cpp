@@ -123,7 +123,9 @@ int ThreadPool::run(void* ctx, ts_chunk_fn fn, int64_t n, int64_t grain, int max
     int threads = size;
     if (max_threads > 0) threads = std::min(threads, max_threads);
     const int64_t useful = (n + grain - 1) / grain;
-    if (inside_pool_worker || threads <= 1 || useful <= 1) return fn(ctx, 0, n) != 0 ? 1 : 0;
+    if (inside_pool_worker || useful <= 1) return fn(ctx, 0, n) != 0 ? 1 : 0;
+    // Inline without the lock, unless the pool must first grow or shrink to `size`.
+    if (threads <= 1 && started_.load() == std::max(0, size - 1)) return fn(ctx, 0, n) != 0 ? 1 : 0;
 
     std::lock_guard<std::mutex> submit(submit_mutex_);
     resize(size);

@@ -61,7 +61,7 @@ inline void register_common(nb::module_& m) {
             set_host_pool_threads(thread_count_arg(threads));
             return true;
         },
-        nb::arg("threads"),
+        nb::arg("threads").none(),
         "Sizes the process-wide host pool (every core's), applied at its next parallel loop. ValueError unless "
         "1 <= threads <= max_host_threads(). Returns True.");
     m.def("usable_cores", [] { return usable_cores(); },

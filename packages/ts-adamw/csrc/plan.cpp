@@ -1,6 +1,8 @@
 #include "plan.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "ts/errors.h"
@@ -77,6 +79,57 @@ void check_tensor(const char* fn, const AnyArray& a, const std::string& what, in
                  numel, " (shapes may differ, element counts must match)");
 }
 
+// One tensor's bytes, for the aliasing check.
+struct Span {
+    uintptr_t begin, end;
+    bool written;
+    size_t index;
+    const char* list;  // "params", ...
+    const char* one;   // "param", ...: the name in a one-tensor call
+};
+
+// Refuses any two buffers that share a byte when at least one of them is
+// written (param, moments, param_out): the kernels read and write each
+// element once, so aliased buffers would give a silently wrong update.
+// Gradients may share memory with each other (they are only read).
+void check_no_alias(const char* fn, const Plan& plan, size_t count) {
+    std::vector<Span> spans;
+    spans.reserve(plan.segments.size() * 5);
+    const size_t mb = kind_bytes(plan.moment_kind);
+    for (size_t i = 0; i < plan.segments.size(); ++i) {
+        const Segment& s = plan.segments[i];
+        if (s.n == 0) continue;
+        auto add = [&](const void* ptr, size_t bytes, bool written, const char* list, const char* one) {
+            const auto begin = reinterpret_cast<uintptr_t>(ptr);
+            spans.push_back({begin, begin + bytes * size_t(s.n), written, i, list, one});
+        };
+        add(s.param, 4, true, "params", "param");
+        add(s.grad, kind_bytes(s.grad_kind), false, "grads", "grad");
+        add(s.exp_avg, mb, true, "exp_avgs", "exp_avg");
+        add(s.exp_avg_sq, mb, true, "exp_avg_sqs", "exp_avg_sq");
+        if (s.out != nullptr) add(s.out, kind_bytes(s.out_kind), true, "params_out", "param_out");
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    auto name = [&](const Span& s) {
+        return count == 1 ? std::string(s.one) : std::string(s.list) + "[" + std::to_string(s.index) + "]";
+    };
+    // Sweep by start: a span overlaps an earlier one iff it starts before the
+    // furthest end seen so far (of any span when it is written, of a written
+    // span when it is only read).
+    const Span* far_any = nullptr;
+    const Span* far_written = nullptr;
+    for (const Span& s : spans) {
+        const Span* hit = s.written ? far_any : far_written;
+        if (hit != nullptr && s.begin < hit->end) {
+            const uintptr_t bytes = std::min(s.end, hit->end) - s.begin;
+            ts::throw_value_error(fn, ": ", name(*hit), " and ", name(s), " share memory (", bytes,
+                                  " bytes overlap); pass distinct buffers (clone() one of them)");
+        }
+        if (far_any == nullptr || s.end > far_any->end) far_any = &s;
+        if (s.written && (far_written == nullptr || s.end > far_written->end)) far_written = &s;
+    }
+}
+
 }  // namespace
 
 Plan build_plan(const char* fn, const std::vector<AnyArray>& params, const std::vector<AnyArray>& grads,
@@ -136,6 +189,7 @@ Plan build_plan(const char* fn, const std::vector<AnyArray>& params, const std::
         s.key = tensor_key(plan.hyper.seed_key, slots.empty() ? uint32_t(i) : slots[i]);
         plan.segments.push_back(s);
     }
+    check_no_alias(fn, plan, count);
     return plan;
 }
 

@@ -61,3 +61,26 @@ def test_link_rates_on_a_gpu():
     assert rates["both_gbps"] >= 0.9 * max(rates["h2d_gbps"], rates["d2h_gbps"])
     profile = ts_planner.profile_hardware(force=True)
     assert profile.gpu and profile.link_h2d_gbps > 1
+
+
+def test_profile_honours_the_cgroup_memory_limit(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 12582912 kB\n")
+    (root / "proc" / "self" / "cgroup").write_text("0::/job\n")
+    fs = root / "sys" / "fs" / "cgroup"
+    (fs / "job").mkdir(parents=True)
+    (fs / "cgroup.controllers").write_text("cpu memory\n")
+    (fs / "job" / "memory.max").write_text(f"{3 << 30}\n")
+    (fs / "job" / "memory.current").write_text(f"{1 << 30}\n")
+    monkeypatch.setenv("TS_CGROUP_ROOT", str(root))
+    monkeypatch.setenv("TRAINSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    profile = ts_planner.profile_hardware(force=True)
+    assert profile.host_ram_bytes == 3 << 30 and profile.host_available_bytes == 2 << 30
+    assert profile.host_memory_source == "cgroup v2" and "cgroup v2 limit" in profile.summary()
+
+
+@pytest.mark.parametrize("threads", [2**70, True, 1.5])
+def test_probe_thread_counts_are_bounded(threads):
+    with pytest.raises(ValueError, match=f"1 to {_core.max_host_threads()}"):
+        ts_planner.measure_host_bandwidth(threads=threads)

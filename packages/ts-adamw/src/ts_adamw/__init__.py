@@ -13,8 +13,30 @@ atexit.register(_core._drain_async)
 
 built_with_cuda: bool = _core.built_with_cuda
 host_isa = _core.host_isa
-host_threads = _core.host_threads
-set_host_threads = _core.set_host_threads
+
+
+def host_threads() -> int:
+    """Threads of the process-wide host pool that every TrainStream core shares (default: the physical cores
+    this process may use)."""
+    return _core.host_threads()
+
+
+def usable_cores() -> int:
+    """Logical CPUs this process may run on at once: its CPU affinity mask (taskset, cpusets) bounded by its
+    cgroup CPU quota (``cpu.max`` in v2, ``cpu.cfs_quota_us`` in v1, rounded up). ``threads=`` arguments and
+    ``set_host_threads`` accept up to ``max_host_threads()`` = 4 x this."""
+    return _core.usable_cores()
+
+
+def max_host_threads() -> int:
+    """The largest thread count ``set_host_threads`` and ``threads=`` accept: 4 x ``usable_cores()``."""
+    return _core.max_host_threads()
+
+
+def set_host_threads(threads: int) -> bool:
+    """Sizes the process-wide host pool (shared by every TrainStream core), from the next parallel loop on,
+    after any running one. ValueError unless ``1 <= threads <= max_host_threads()``. Returns True."""
+    return _core.set_host_threads(threads)
 
 
 def set_streaming_stores(mode: str) -> None:
@@ -39,9 +61,11 @@ __all__ = [
     "cuda_adamw_step",
     "host_isa",
     "host_threads",
+    "max_host_threads",
     "set_host_threads",
     "set_streaming_stores",
     "streaming_stores",
     "sum_of_squares",
+    "usable_cores",
 ]
 __version__ = "0.1.0"

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
+from . import _core
+
 __all__: list[str] = []
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def plain(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -23,13 +29,32 @@ def plain_list(tensors, what: str) -> list[torch.Tensor]:
     return [plain(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
 
 
+def threads_limit() -> str:
+    """The accepted thread counts, for messages."""
+    usable = _core.usable_cores()
+    return (f"1 to {_core.max_host_threads()} (4 x the {usable} cores this process may use, from its CPU "
+            f"affinity and cgroup CPU quota; see ts_adamw.usable_cores())")
+
+
 def thread_count(threads: int | None) -> int:
     """Native thread limit: 0 means the whole host pool."""
     if threads is None:
         return 0
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads={threads!r} must be a positive int or None (all physical cores)")
+    if (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+            or threads > _core.max_host_threads()):
+        raise ValueError(f"threads={threads!r} must be None (the whole host pool) or an int from {threads_limit()}")
     return threads
+
+
+def bump_versions(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Marks tensors the native code wrote as modified in place, as torch's own in-place ops do, so autograd
+    refuses a backward that would read a saved tensor's new value."""
+    live = [t for t in tensors if t is not None and not t.is_inference()]
+    try:
+        torch.autograd.graph.increment_version(live)
+    except TypeError:  # torch < 2.6 takes one tensor at a time
+        for t in live:
+            torch.autograd.graph.increment_version(t)
 
 
 def step_number(step) -> int:
@@ -38,8 +63,8 @@ def step_number(step) -> int:
         step = step.item()
     if isinstance(step, float) and step.is_integer():
         step = int(step)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step={step!r} must be an int >= 1 (the count including this step)")
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= _INT64_MAX:
+        raise ValueError(f"step={step!r} must be an int from 1 to 2**63 - 1 (the count including this step)")
     return step
 
 
@@ -56,5 +81,5 @@ def scalar(value, what: str) -> float:
         value = value.item()
     try:
         return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}={value!r} must be a number") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{what}={value!r} must be a number that fits a float") from None

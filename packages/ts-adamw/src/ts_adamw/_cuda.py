@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
-from ._args import plain_list, scalar, seed_number, step_number
+from ._args import bump_versions, plain_list, scalar, seed_number, step_number
 
 __all__ = ["cuda_adamw_step"]
 
@@ -27,7 +27,8 @@ def cuda_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
     Same math and dtypes as ``adamw_step``. Each tensor is a CUDA tensor (all on one GPU) or a page-locked
     CPU tensor (``pin_memory()``): the kernel then reads and writes host memory over the link ("zero copy",
     useful when moments and fp32 master weights live in host RAM). ``params_out`` (e.g. bf16 weights on the
-    GPU) gets the new weights rounded to nearest even in the same pass. RuntimeError without CUDA.
+    GPU) gets the new weights rounded to nearest even in the same pass. No two buffers may share memory
+    (gradients aside); the written tensors' version counters are bumped. RuntimeError without CUDA.
     """
     if not _core.built_with_cuda:
         raise RuntimeError("cuda_adamw_step needs CUDA, but ts_adamw was built without it; reinstall with a "
@@ -45,3 +46,5 @@ def cuda_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
         _core.cuda_step(*lists, outs, [], scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"),
                         scalar(eps, "eps"), scalar(weight_decay, "weight_decay"), step_number(step), bool(maximize),
                         scalar(grad_scale, "grad_scale"), seed_number(seed), handle)
+    # The writes are queued on the stream; autograd's bookkeeping is by program order, so bump now.
+    bump_versions((*params, *exp_avgs, *exp_avg_sqs, *(params_out or ())))

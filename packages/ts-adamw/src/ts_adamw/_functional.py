@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
-from ._args import plain, plain_list, scalar, seed_number, step_number, thread_count
+from ._args import bump_versions, plain, plain_list, scalar, seed_number, step_number, thread_count
 
 __all__ = ["HostAdamW", "StepHandle", "adamw_step", "adamw_step_async", "sum_of_squares"]
 
@@ -33,11 +33,15 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     ``param`` fp32; ``grad`` fp32/bf16/fp16; ``exp_avg``/``exp_avg_sq`` both fp32 or both bf16 (stochastic
     rounding keyed by ``seed``, ``step`` and element index). ``grad_scale`` multiplies the gradient first;
     ``param_out`` (bf16/fp16/fp32) receives the new weights rounded to nearest even. All tensors: CPU,
-    contiguous, same element count. ``step`` counts this step (1 for the first). Runs on the host pool
+    contiguous, same element count, no two of them sharing memory (``grad`` aside, every one is written;
+    ``param_out=None`` writes no copy). ``step`` counts this step (1 for the first). Runs on the host pool
     (``threads`` caps it) with the GIL released; invalid input raises ValueError before anything changes.
+    The version counter of every tensor written is bumped, as torch's in-place ops do, so a backward that
+    saved one of them raises instead of reading the new values.
     """
     _core.step(*_native_args(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay,
                              step, maximize, grad_scale, seed, threads))
+    bump_versions((param, exp_avg, exp_avg_sq, param_out))
 
 
 def adamw_step_async(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -47,12 +51,15 @@ def adamw_step_async(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     """``adamw_step`` queued on a background lane (steps run in submission order); returns a ``StepHandle``.
 
     Validation happens now (ValueError here); ``h.wait()`` blocks with the GIL released and re-raises a
-    failure, ``h.done()`` polls. The handle keeps the tensors alive until it is waited on or deleted.
+    failure, ``h.done()`` polls. The handle keeps the tensors alive until it is waited on or deleted. The
+    written tensors' version counters are bumped now, when the write is queued.
     """
     args = _native_args(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay,
                         step, maximize, grad_scale, seed, threads)
     keepalive = (param, grad, exp_avg, exp_avg_sq, param_out)
-    return _core.step_async(*args, keepalive)
+    handle = _core.step_async(*args, keepalive)
+    bump_versions((param, exp_avg, exp_avg_sq, param_out))
+    return handle
 
 
 def sum_of_squares(tensors: list[torch.Tensor], *, threads: int | None = None) -> float:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._args import scalar, thread_count
+from ._args import bump_versions, scalar, thread_count
 
 __all__ = ["AdamW"]
 
@@ -148,6 +148,7 @@ class AdamW(torch.optim.Optimizer):
                            scalar(beta1, "beta1"), scalar(beta2, "beta2"), scalar(group["eps"], "eps"),
                            scalar(group["weight_decay"], "weight_decay"), step, bool(group["maximize"]), 1.0,
                            self.seed & 0xFFFFFFFFFFFFFFFF, self.threads or 0)
+                bump_versions([p for p, _, _ in items] + [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")])
                 for state in states:
                     state["step"].fill_(float(step))
         return loss

@@ -21,7 +21,10 @@ CACHE_ENV = "TRAINSTREAM_CACHE_DIR"
 class HardwareProfile:
     """What one machine measured. Rates in GB/s (1e9 bytes per second), sizes in bytes.
 
-    ``link_*`` are None without a GPU. ``host_copy_gbps`` counts bytes read plus written.
+    ``link_*`` are None without a GPU. ``host_copy_gbps`` counts bytes read plus written. ``host_cores`` is the
+    host pool's size (physical cores this process may use: affinity and cgroup CPU quota); ``host_ram_bytes`` and
+    ``host_available_bytes`` are bounded by the cgroup memory limit where one is set, and
+    ``host_memory_source`` says what bounds the available bytes ("meminfo", "cgroup v1", "cgroup v2").
     """
 
     gpu: str | None
@@ -34,20 +37,24 @@ class HardwareProfile:
     link_h2d_gbps: float | None
     link_d2h_gbps: float | None
     link_both_gbps: float | None
+    host_memory_source: str = "meminfo"
 
     def summary(self) -> str:
         link = ("no GPU" if self.link_h2d_gbps is None else
                 f"link {self.link_h2d_gbps:.1f} GB/s host->GPU, {self.link_d2h_gbps:.1f} GB/s GPU->host, "
                 f"{self.link_both_gbps:.1f} GB/s both at once")
         gpu = f"{self.gpu} ({self.vram_bytes / 2**30:.1f} GiB)" if self.gpu else "no GPU"
+        limit = "" if self.host_memory_source == "meminfo" else f", {self.host_memory_source} limit"
         return (f"{gpu}; {self.host_cores} host cores, {self.host_ram_bytes / 2**30:.1f} GiB RAM "
-                f"({self.host_available_bytes / 2**30:.1f} available), host copy {self.host_copy_gbps:.1f} GB/s; {link}")
+                f"({self.host_available_bytes / 2**30:.1f} available{limit}), host copy {self.host_copy_gbps:.1f} GB/s; {link}")
 
 
 def measure_host_bandwidth(bytes: int = 256 << 20, threads: int | None = None, repeats: int = 3) -> float:
     """Host memory copy rate in GB/s (bytes read + written) with the host pool's threads."""
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads={threads!r} is not valid; use None (all physical cores) or an integer >= 1")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+                                or threads > _core.max_host_threads()):
+        raise ValueError(f"threads={threads!r} is not valid; use None (the whole host pool) or an integer from 1 "
+                         f"to {_core.max_host_threads()} (4 x the {_core.usable_cores()} cores this process may use)")
     return _core.host_copy_gbps(int(bytes), threads or 0, int(repeats))
 
 
@@ -92,7 +99,7 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     profile = HardwareProfile(
         gpu=gpu, vram_bytes=vram, host_cores=cores, host_ram_bytes=info["total"],
-        host_available_bytes=info["available"],
+        host_available_bytes=info["available"], host_memory_source=info["source"],
         memlock_limit=None if soft == resource.RLIM_INFINITY else int(soft),
         host_copy_gbps=measure_host_bandwidth(size),
         link_h2d_gbps=link["h2d_gbps"], link_d2h_gbps=link["d2h_gbps"], link_both_gbps=link["both_gbps"],
