@@ -1,0 +1,173 @@
+"""Ctrl-C anywhere in forward, backward, step() or zero_grad() leaves every parameter consistent,
+never hangs, and the next step trains.
+
+Deterministic: a SIGINT is raised at each line of the engine that one training iteration executes,
+one line per run; afterwards every parameter's (step, master, moments, weight) equals either its
+state before the iteration or its state after an uninterrupted one, bit for bit. Randomized: a
+SIGALRM soak interrupts a training loop at random moments.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import pathlib
+import random
+import signal
+import sys
+
+import pytest
+import torch
+import trainstream
+from engine_testing import assert_consistent, snapshot
+from ts_testing import batches, loss_of, tiny_llama
+
+ENGINE_FILES = tuple(str(p) for p in (pathlib.Path(trainstream.__file__).parent).glob("**/*.py")
+                     if p.parent.name == "engine" or p.name in ("_optimizer.py", "_session.py"))
+CONFIGS = {"plain": {}, "clipped": {"max_grad_norm": 0.05}, "accumulated": {"accumulation_steps": 2}}
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails loudly instead of stalling CI
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _iteration(model, opt, ids, config, where: dict):
+    for _ in range(config.get("accumulation_steps", 1)):
+        where["phase"] = "forward"
+        loss = loss_of(model, ids)
+        where["phase"] = "backward"
+        loss.backward()
+    where["phase"] = "step"
+    opt.step()
+    where["phase"] = "zero_grad"
+    opt.zero_grad()
+    where["phase"] = "done"
+
+
+def _fresh(config):
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-2, **config)
+    _iteration(model, opt, batches(1)[0], config, {})  # moments and steps not zero any more
+    return model, opt
+
+
+def _lines_run(config) -> list[tuple[str, int]]:
+    model, opt = _fresh(config)
+    seen: dict[tuple[str, int], None] = {}
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename not in ENGINE_FILES:
+            return None
+        if event == "line":
+            seen.setdefault((frame.f_code.co_filename, frame.f_lineno))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        _iteration(model, opt, batches(1, seed=2)[0], config, {})
+    finally:
+        sys.settrace(None)
+    trainstream.unwrap(model)
+    return list(seen)
+
+
+def _interrupt_at(target: tuple[str, int]):
+    fired = {"done": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename not in ENGINE_FILES:
+            return None
+        if event == "line" and not fired["done"] and (frame.f_code.co_filename, frame.f_lineno) == target:
+            fired["done"] = True
+            signal.raise_signal(signal.SIGINT)  # a real Ctrl-C: Python runs the handler at the next bytecode
+        return tracer
+
+    return tracer, fired
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("master", "exp_avg", "exp_avg_sq", "weight"))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_an_interrupt_at_any_engine_line_leaves_every_parameter_consistent(name):
+    config = CONFIGS[name]
+    ids = batches(1, seed=2)[0]
+    reference, ref_opt = _fresh(config)
+    before = snapshot(reference)
+    _iteration(reference, ref_opt, ids, config, {})
+    after = snapshot(reference)
+    trainstream.unwrap(reference)
+
+    lines = _lines_run(config)
+    assert len(lines) > 50
+    interrupted = 0
+    for target in lines:
+        model, opt = _fresh(config)
+        assert all(_same(s, b) for s, b in zip(snapshot(model), before))
+        tracer, fired = _interrupt_at(target)
+        where: dict = {}
+        sys.settrace(tracer)
+        try:
+            _iteration(model, opt, ids, config, where)
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        assert fired["done"], target
+        if where["phase"] == "step":
+            opt.step()  # the user retries the step that was interrupted
+        if where["phase"] != "done":
+            opt.zero_grad()
+        state = snapshot(model)
+        for i, (s, b, a) in enumerate(zip(state, before, after)):
+            assert _same(s, b) or _same(s, a), f"parameter {i} torn by an interrupt at {target} ({where['phase']})"
+            if where["phase"] in ("step", "zero_grad", "done"):
+                assert _same(s, a), f"parameter {i}: step() retried after an interrupt at {target} differs"
+        assert_consistent(model)
+        steps = [s["step"] for s in state]
+        _iteration(model, opt, batches(1, seed=4)[0], config, {})  # the next step trains everything
+        assert [s["step"] for s in snapshot(model)] == [k + 1 for k in steps]
+        trainstream.unwrap(model)
+    assert interrupted >= len(lines) - 2  # each interrupt was raised (none swallowed)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_random_interrupts_during_training_never_hang_or_tear(name):
+    config = CONFIGS[name]
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-3, **config)
+    data = batches(8)
+    rng = random.Random(1234)
+    alarms = {"n": 0}
+
+    def on_alarm(signum, frame):
+        alarms["n"] += 1
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    caught = 0
+    try:
+        for i in range(300):
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0, 0.02))
+            try:
+                _iteration(model, opt, data[i % len(data)], config, {})
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                caught += 1
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                try:
+                    opt.zero_grad()
+                except KeyboardInterrupt:  # the alarm may still land here: zero_grad again
+                    caught += 1
+                    opt.zero_grad()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert caught > 20, caught  # the soak really interrupted training
+    assert_consistent(model)
+    steps = [s["step"] for s in snapshot(model)]
+    _iteration(model, opt, data[0], config, {})
+    assert [s["step"] for s in snapshot(model)] == [k + 1 for k in steps]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    trainstream.unwrap(model)
