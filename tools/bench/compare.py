@@ -29,6 +29,8 @@ SCENARIOS = {
     "tiny": dict(size="tiny", batch=2, seq=64, vram_gb=None, steps=6),
 }
 ENGINES = ["stock-bf16", "stock-mixed", "deepspeed-zero2", "trainstream-cpu", "trainstream-gpu", "trainstream-auto"]
+# guard_params=False variants: what ordering reads after step() costs (pass them to --engines).
+EXTRA_ENGINES = ["trainstream-cpu-noguard", "trainstream-auto-noguard"]
 LINK_GBPS = 55.0  # pinned host<->H200 each way, measured (DESIGN.md); re-measured below when CUDA is present
 
 
@@ -62,7 +64,8 @@ def _run_engine(engine: str, scenario: dict) -> dict:
 
         mode = engine.split("-")[1]
         model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-5),
-                                      optimizer_mode=mode, offload=True if mode != "auto" else "auto")
+                                      optimizer_mode=mode, offload=True if mode != "auto" else "auto",
+                                      guard_params=not engine.endswith("-noguard"))
     elif engine == "deepspeed-zero2":
         try:
             import deepspeed  # noqa: F401
@@ -106,8 +109,10 @@ def _run_engine(engine: str, scenario: dict) -> dict:
     }
 
 
-def _child(engine: str, scenario_name: str, timeout: float) -> dict:
+def _child(engine: str, scenario_name: str, timeout: float, steps: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--scenario", scenario_name]
+    if steps:
+        cmd += ["--steps", str(steps)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -154,18 +159,22 @@ def _link_rate() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="full1.5b" if torch.cuda.is_available() else "tiny")
-    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES + EXTRA_ENGINES,
+                        help="engines in the order to run (repeat one to interleave runs)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per engine (default: the scenario's)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    scenario = SCENARIOS[args.scenario]
+    scenario = dict(SCENARIOS[args.scenario])
+    if args.steps:
+        scenario["steps"] = args.steps
     if args.child:
         print("RESULT " + json.dumps(_run_engine(args.child, scenario), default=str), flush=True)
         return
     results = []
     for engine in args.engines:
-        result = _child(engine, args.scenario, args.timeout)
+        result = _child(engine, args.scenario, args.timeout, args.steps)
         print(f"{engine}: {result.get('outcome')} {result.get('median_s', '')}", flush=True)
         results.append(result)
     # Lower bound for each trainstream placement, from rates measured here and now.
