@@ -25,6 +25,20 @@ from ts_testing import tiny_llama
         ({"check_memory": "yes"}, "check_memory='yes' is not valid"),
         ({"device": "tpu"}, "device='tpu' is not"),
         ({"quantize_weights": True}, "unknown wrap() option(s): quantize_weights"),
+        ({"seed": "x"}, "seed='x' is not valid; use an integer in [0, "),
+        ({"seed": -1}, "seed=-1 is not valid"),
+        ({"seed": 2**70}, f"seed={2**70} is not valid"),
+        ({"lr": True}, "lr=True is not valid"),
+        ({"lr": float("nan")}, "lr=nan is not valid"),
+        ({"lr": float("inf")}, "lr=inf is not valid"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm=inf is not valid"),
+        ({"max_grad_norm": True}, "max_grad_norm=True is not valid"),
+        ({"accumulation_steps": True}, "accumulation_steps=True is not valid"),
+        ({"accumulation_steps": 2**40}, f"accumulation_steps={2**40} is not valid"),
+        ({"threads": 40000}, "threads=40000 is not valid; use None (all usable cores) or an integer in [1, "),
+        ({"threads": 2**70}, "is not valid"),
+        ({"vram_headroom": float("nan")}, "vram_headroom=nan is not valid"),
+        ({"guard_params": 1}, "guard_params=1 is not valid"),
     ],
 )
 def test_bad_option_values(options, message):
@@ -97,3 +111,54 @@ def test_offload_adamw_settings_are_wraps_defaults():
     assert (config.max_grad_norm, config.accumulation_steps, config.moment_dtype) == (2.0, 2, "bfloat16")
     with pytest.raises(ValueError, match="optimizer_mode='tpu'"):
         trainstream.wrap(tiny_llama(), trainstream.OffloadAdamW(tiny_llama().parameters(), mode="tpu"))
+
+
+def test_threads_are_bounded_by_the_cores_this_process_may_use():
+    import threading
+
+    import ts_adamw
+
+    limit = ts_adamw.max_host_threads()
+    assert limit == 4 * ts_adamw.usable_cores()
+    before = threading.active_count()
+    with pytest.raises(ValueError, match=f"integer in \\[1, {limit}\\]"):
+        trainstream.wrap(tiny_llama(), threads=limit + 1)
+    assert threading.active_count() == before  # refused before any thread started
+
+
+@pytest.mark.parametrize(("group", "message"), [
+    ({"lr": True}, "lr=True is not valid"),
+    ({"lr": float("nan")}, "lr=nan is not valid"),
+    ({"eps": float("inf")}, "eps=inf is not valid"),
+    ({"weight_decay": float("nan")}, "weight_decay=nan is not valid"),
+    ({"betas": (0.9, 1.0)}, "betas=(0.9, 1.0) is not valid"),
+    ({"amsgrad": True}, "amsgrad=True"),
+])
+def test_bad_hyper_parameters_are_refused_at_wrap_and_at_update_time(group, message):
+    model = tiny_llama()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:], **group}], lr=1e-3) \
+        if "amsgrad" not in group else torch.optim.AdamW(params, lr=1e-3, amsgrad=True)
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        trainstream.wrap(model, opt)
+    assert not hasattr(model, "_trainstream_session")
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        trainstream.OffloadAdamW(params, **{k: v for k, v in group.items() if k != "amsgrad"}) \
+            if "amsgrad" not in group else trainstream.OffloadAdamW([{"params": params, "amsgrad": True}])
+    if "amsgrad" in group:
+        return
+    # A scheduler (or a user) writing a bad value later: refused when the gradient arrives, nothing changed.
+    from ts_testing import batches, loss_of
+
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-3)
+    opt.param_groups[0].update(group)
+    with pytest.raises(ValueError, match="param group of parameter"):
+        loss_of(model, batches(1)[0]).backward()
+    opt.param_groups[0].update({"lr": 1e-3, "eps": 1e-8, "weight_decay": 1e-2, "betas": (0.9, 0.999)})
+    opt.zero_grad()
+    model._trainstream_session.synchronize()
+    assert all(s.step == 0 for s in model._trainstream_session.engine.active)
+    loss_of(model, batches(1)[0]).backward()
+    opt.step()
+    model._trainstream_session.synchronize()
+    assert all(s.step == 1 for s in model._trainstream_session.engine.active)

@@ -98,14 +98,8 @@ _MAX_INT32 = 2**31 - 1
 
 
 def thread_limit() -> int:
-    """The most host threads ``threads=`` accepts: what ts-adamw allows for the cores this process may use."""
-    limit = getattr(ts_adamw, "max_host_threads", None)
-    if limit is not None:
-        return int(limit())
-    import os
-
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 4 * usable
+    """The most host threads ``threads=`` accepts: 4 x the cores this process may use (affinity, cgroup quota)."""
+    return ts_adamw.max_host_threads()
 
 
 def _integer(name: str, value: Any, low: int, high: int, prefix: str = "") -> int:
