@@ -3,7 +3,7 @@
 # packages with CUDA, runs their GPU-marked tests (plus the CPU ones), and
 # optional benchmarks. Logs and JSON land in $OUT (or ./results).
 #
-#   tools/gpu_run.sh [-b "pinned adamw quant"] [-a "bench args"] [-k PYTEST_EXPR] [package ...]
+#   tools/gpu_run.sh [-b "pinned adamw quant"] [-a "bench args"] [-k PYTEST_EXPR] [-m MARKERS] [package ...]
 #
 # Packages default to every one under packages/. The device tool's call is e.g.
 #   bash tools/gpu_run.sh -b "pinned adamw" ts-pinned ts-adamw
@@ -11,13 +11,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-benches="" bench_args="" select=""
-while getopts "b:a:k:" opt; do
+benches="" bench_args="" select="" markers=""
+while getopts "b:a:k:m:" opt; do
   case $opt in
     b) benches=$OPTARG ;;
     a) bench_args=$OPTARG ;;
     k) select=$OPTARG ;;
-    *) echo "usage: $0 [-b benches] [-a bench-args] [-k expr] [package ...]"; exit 2 ;;
+    m) markers=$OPTARG ;;
+    *) echo "usage: $0 [-b benches] [-a bench-args] [-k expr] [-m markers] [package ...]"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -54,7 +55,7 @@ for dir in "${install[@]}"; do
   fi
 done
 
-python3 -m pytest -q -p no:cacheprovider ${select:+-k "$select"} "${tests[@]}" 2>&1 | tee "$OUT/tests.log" | tail -40
+python3 -m pytest -q -p no:cacheprovider ${select:+-k "$select"} ${markers:+-m "$markers"} "${tests[@]}" tests 2>&1 | tee "$OUT/tests.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 for b in $benches; do

@@ -10,7 +10,6 @@
 
 #include "arena.h"
 #include "staging.h"
-#include "stream_order.h"
 #include "ts/bindings.h"
 #include "ts/ndarray.h"
 
@@ -124,5 +123,4 @@ NB_MODULE(_core, m) {
         return d;
     });
     m.def("host_limits", &describe_host_limits);
-    register_stream_order(m);
 }

@@ -3,7 +3,6 @@ and stream memory operations (a device counter one stream writes and another wai
 
 from ._arena import PinnedArena, default_arena, empty, pinned_stats, reserve_pinned
 from ._budget import PageLockBudget, page_lock_budget
-from ._core import stream_value_ops_available, stream_wait_value, stream_write_value
 from ._staging import copy_to_device, staging_stats
 
 __all__ = [
@@ -16,8 +15,5 @@ __all__ = [
     "pinned_stats",
     "reserve_pinned",
     "staging_stats",
-    "stream_value_ops_available",
-    "stream_wait_value",
-    "stream_write_value",
 ]
 __version__ = "0.1.0"

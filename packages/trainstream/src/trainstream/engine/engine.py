@@ -105,9 +105,7 @@ class UpdateEngine:
                              f"(use sparse=False in the embedding)")
         immediate = self.max_grad_norm is None
         hyper = hyper_of(slot, 1.0, self.seed) if immediate else None
-        if slot.weight_changed():
-            slot.follow_weight()
-            self.events.add("optimizer", f"{slot.label} was changed outside the optimizer: its master copy follows")
+        self._follow_user_edit(slot)
         on_host = slot.placement == "host"
         src = grad_in_memory_order(grad.detach(), slot.param) if on_host or immediate else None
         after = self.channel.mark_compute()  # after any layout copy above, which the D2H copy reads
@@ -131,6 +129,12 @@ class UpdateEngine:
         else:
             slot.micro = 0
             slot.move(S.ARRIVED)  # device gradients wait in param.grad for the norm
+
+    def _follow_user_edit(self, slot: ParamSlot) -> None:
+        """Invariant 4: a weight written by the user is where its next update starts."""
+        if slot.weight_changed():
+            slot.follow_weight()
+            self.events.add("optimizer", f"{slot.label} was changed outside the optimizer: its master copy follows")
 
     # ---- step ---------------------------------------------------------------------
 
@@ -172,6 +176,8 @@ class UpdateEngine:
             # Same coefficient as torch.nn.utils.clip_grad_norm_.
             self._clip_scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
         hypers = [hyper_of(s, self._clip_scale, self.seed) for s in arrived]
+        for s in arrived:
+            self._follow_user_edit(s)  # edited between backward and step(): the update starts from the edit
         grads = [None if s.placement == "host" else grad_in_memory_order(s.param.grad.detach(), s.param)
                  for s in arrived]
         after = self.channel.mark_compute()
