@@ -5,14 +5,13 @@
 
 from ts_pinned import reserve_pinned
 
-from ._blocks import find_blocks
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
-from ._quantize import quantize_model
 from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
 from .engine import transfer_stats
+from .memory import find_blocks, quantize_model
 
 __all__ = [
     "OffloadAdamW",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import ts_adamw
 
-from ._quantize import check_quantize
+from .memory.quantize import check_quantize
 
 __all__ = ["WrapOptions", "parse_options"]
 

@@ -11,10 +11,10 @@ import ts_pinned
 
 from ._events import EventLog
 from ._options import WrapOptions
-from ._plan import GiB, device_state_bytes, plan_host_memory, vram_budget
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
+from .memory.plan import GiB, device_state_bytes, plan_host_memory, vram_budget
 
 __all__ = ["TrainStreamSession"]
 

@@ -10,10 +10,10 @@ import torch
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._options import parse_options
-from ._plan import vram_budget
-from ._quantize import choose_quantize, quantize_model
 from ._session import TrainStreamSession
 from .engine import SlotState
+from .memory.plan import vram_budget
+from .memory.quantize import choose_quantize, quantize_model
 
 __all__ = ["unwrap", "wrap"]
 

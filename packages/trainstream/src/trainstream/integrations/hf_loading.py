@@ -30,7 +30,7 @@ from ts_quant import QuantLinear
 from ts_quant import quantize as quantize_tensor
 
 from .. import find_blocks
-from .._quantize import block_linears, check_quantize, size_estimates
+from ..memory.quantize import block_linears, check_quantize, size_estimates
 
 __all__ = ["load_model"]
 

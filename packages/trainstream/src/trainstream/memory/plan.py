@@ -8,7 +8,7 @@ import dataclasses
 import torch
 import ts_pinned
 
-from .engine.slots import ParamSlot
+from ..engine.slots import ParamSlot
 
 __all__ = ["HostPlan", "device_state_bytes", "host_state_bytes", "plan_host_memory", "vram_budget"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from ts_quant import FORMATS, QuantLinear
 
-from ._blocks import find_blocks
+from .blocks import find_blocks
 
 __all__ = ["QUANTIZE_CHOICES", "block_linears", "choose_quantize", "quantize_model", "size_estimates"]
 

@@ -1,0 +1,9 @@
+"""Where the model's bytes live: sizing and placement decisions (``plan``), the repeated block
+stack (``blocks``) and frozen weights stored quantized (``quantize``). Weight streaming,
+activation paging and recomputation, and the planner's application land here.
+"""
+
+from .blocks import find_blocks
+from .quantize import quantize_model
+
+__all__ = ["find_blocks", "quantize_model"]
