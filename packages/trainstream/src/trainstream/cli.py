@@ -40,34 +40,24 @@ def build_model(size: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module
 
 
 # argparse `type=` validators: a bad value becomes "argument --X: <message>", exit code 2, before any work.
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes an integer >= 1, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {value}")
-    return value
+def _number(convert, accept, valid: str):
+    """An argparse type: `convert` the text, then `accept` the value, else the message names `valid`."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes {valid}, not {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {valid}, not {text}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a finite number > 0, not {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes an integer in [0, 2**32), not {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), not {value}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_seed = _number(int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
 
 
 def _device(text: str) -> torch.device:
