@@ -27,9 +27,13 @@ CONFIGS = {"plain": {}, "clipped": {"max_grad_norm": 0.05}, "accumulated": {"acc
 
 
 @pytest.fixture(autouse=True)
-def _watchdog():
+def _watchdog_and_ctrl_c():
     faulthandler.dump_traceback_later(120, exit=True)  # a hang fails loudly instead of stalling CI
+    # A process started in the background inherits SIGINT ignored (Python then installs no handler):
+    # these tests need Ctrl-C to raise KeyboardInterrupt, as in a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
+    signal.signal(signal.SIGINT, previous)
     faulthandler.cancel_dump_traceback_later()
 
 
