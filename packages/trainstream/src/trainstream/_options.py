@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import ts_adamw
 
+from .memory.activations import check_block_choice
 from .memory.quantize import check_quantize
 
 __all__ = ["WrapOptions", "parse_options"]
@@ -39,6 +40,12 @@ class WrapOptions:
     verbose: bool = False
     quantize: str | None = "auto"
     guard_params: bool = True
+    activation_offload: Any = False
+    recompute: Any = False
+    prefetch_depth: int = 1
+    max_inflight_bytes: int | None = None
+    min_offload_bytes: int = 1 << 20
+    blocks: Any = None
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -91,6 +98,17 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
         if not isinstance(getattr(opts, flag), bool):
             raise ValueError(f"{flag}={getattr(opts, flag)!r} is not valid; use True or False")
     opts.device = _device(opts.device)
+    opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
+    opts.recompute = check_block_choice("recompute", opts.recompute)
+    opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)
+    if opts.max_inflight_bytes is not None:
+        opts.max_inflight_bytes = _integer("max_inflight_bytes", opts.max_inflight_bytes, 1, 2**62,
+                                           "None (1 GiB) or ")
+    opts.min_offload_bytes = _integer("min_offload_bytes", opts.min_offload_bytes, 0, 2**62)
+    if opts.blocks is not None and not (isinstance(opts.blocks, (list, tuple)) and opts.blocks
+                                        and all(isinstance(b, torch.nn.Module) for b in opts.blocks)):
+        raise ValueError(f"blocks={opts.blocks!r} is not valid; use None (find_blocks) or a list of the model's "
+                         f"repeated layer modules")
     return opts
 
 

@@ -58,5 +58,6 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         },
         "resident": all(s.placement == "device" for s in slots),
         "params": {"quantize": None} if session.quantized is None else dict(session.quantized),
+        "activations": session.activations.report(),
     })
     return report

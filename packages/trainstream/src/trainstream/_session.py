@@ -14,6 +14,7 @@ from ._options import WrapOptions
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
+from .memory.activations import ActivationPolicy
 from .memory.plan import GiB, device_state_bytes, plan_host_memory, vram_budget
 
 __all__ = ["TrainStreamSession"]
@@ -59,6 +60,7 @@ class TrainStreamSession:
         self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
         self.engine = None
         self.guard = None
+        self.activations = None
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
@@ -109,6 +111,7 @@ class TrainStreamSession:
             for slot in trained:
                 self.engine.activate(slot)
             self.guard = ForwardGuard(model, self.engine)
+            self.activations = ActivationPolicy(model, options, device, self.arena, self.events)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
             self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
             self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
@@ -147,6 +150,7 @@ class TrainStreamSession:
 
     def optimizer_step(self) -> None:
         self.engine.step()
+        self.activations.sweep()
         self.steps += 1
         if self.adapting:
             self._adapt()
@@ -207,6 +211,8 @@ class TrainStreamSession:
             if self.engine is not None:
                 self.engine.close()
         finally:
+            if self.activations is not None:
+                self.activations.remove()
             if self.guard is not None:
                 self.guard.remove()
             for handle in self._handles:

@@ -1,0 +1,238 @@
+"""ActivationOffloader: the saved activations of chosen blocks wait for backward in host memory.
+
+While a paged block runs forward, every tensor autograd saves for backward goes through
+``torch.autograd.graph.saved_tensors_hooks``: a tensor worth moving (dense, at least ``min_bytes``,
+not a parameter or buffer) is copied on the D2H stream into a block of the pinned arena and its
+VRAM is released once the copy is done; autograd keeps a ``Page`` in its place. In backward, the
+first page a block needs brings back all of that block's pages, and those of the next
+``prefetch_depth`` paged blocks, on the H2D stream; the compute stream waits for a page only when
+autograd unpacks it.
+
+Invariants: a page's host block is returned to the arena only after every copy that reads it has
+completed (a page that dies retires its block with the event of its last copy; retired blocks are
+freed once that event is done), so a reused block is never overwritten while still being read.
+Device memory a D2H copy is reading is handed to that stream (``record_stream``), and at most
+``max_inflight_bytes`` of it are in flight: beyond that the host waits for the oldest copy.
+On the CPU the same path runs with memory copies.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+
+import torch
+import ts_pinned
+
+from ..engine.channel import channel_for
+from ..engine.hooks import EngineHook
+from ..engine.slots import dense_layout_problem, flat
+
+__all__ = ["ActivationOffloader"]
+
+
+class Page:
+    """One saved tensor in host memory (or kept as is when not worth moving)."""
+
+    __slots__ = ("__weakref__", "block", "device", "done_d2h", "dtype", "fetched", "fetched_event", "host",
+                 "kept", "offloader", "shape", "stride")
+
+    def __init__(self, offloader, block: int, kept: torch.Tensor | None = None):
+        self.offloader = offloader
+        self.block = block
+        self.kept = kept
+        self.host = self.fetched = self.fetched_event = self.done_d2h = None
+
+    def __del__(self):
+        offloader = self.offloader
+        if offloader is not None and self.host is not None:
+            offloader._retire(self.host, self.fetched_event or self.done_d2h)
+
+
+class ActivationOffloader:
+    """Pages the saved tensors of ``blocks[i]`` for each i in ``paged`` to host memory during forward.
+
+    ``device``: where the model trains. ``prefetch_depth``: paged blocks brought back ahead of the one
+    backward is in. ``max_inflight_bytes``: VRAM held by device-to-host copies not yet complete
+    (default 1 GiB). ``min_bytes``: smaller tensors stay on the device. ``attach()`` installs the
+    hooks, ``detach()`` removes them; ``stats()`` counts bytes and pages.
+    """
+
+    def __init__(self, blocks: list[torch.nn.Module], paged, *, device: torch.device, prefetch_depth: int = 1,
+                 max_inflight_bytes: int | None = None, min_bytes: int = 1 << 20,
+                 arena: ts_pinned.PinnedArena | None = None):
+        self.blocks = list(blocks)
+        self.paged = sorted(set(paged))
+        self.device = torch.device(device)
+        self.prefetch_depth = prefetch_depth
+        self.max_inflight_bytes = (1 << 30) if max_inflight_bytes is None else max_inflight_bytes
+        self.min_bytes = min_bytes
+        self.arena = arena or ts_pinned.default_arena()
+        self.channel = channel_for(self.device)
+        self._pages: dict[int, list[weakref.ref]] = collections.defaultdict(list)
+        self._retired: collections.deque = collections.deque()
+        self._inflight: collections.deque = collections.deque()  # (event, nbytes) of D2H copies
+        self._inflight_bytes = 0
+        self._lock = threading.Lock()
+        self._own: set[int] = set()  # storages of parameters and buffers: never paged
+        self._handles, self._hooks, self._active = [], [], []
+        self.counters = {"pages": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0}
+        self.block_bytes = [0] * len(self.blocks)  # bytes paged per block in the last forward
+
+    # ---- installing ----------------------------------------------------------------
+
+    def attach(self) -> ActivationOffloader:
+        for index in self.paged:
+            block = self.blocks[index]
+            for t in [*block.parameters(), *block.buffers()]:
+                self._own.add(t.untyped_storage().data_ptr())
+            for fn, register in ((self._enter(index), block.register_forward_pre_hook),
+                                 (self._leave, lambda h: block.register_forward_hook(h, always_call=True))):
+                hook = EngineHook(fn)
+                self._hooks.append(hook)
+                self._handles.append(register(hook))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for hook in self._hooks:
+            hook.disable()
+        self._handles, self._hooks = [], []
+        while self._active:
+            self._active.pop().__exit__(None, None, None)
+
+    def _enter(self, index: int):
+        def enter(_module, _args):
+            if not torch.is_grad_enabled():
+                self._active.append(None)
+                return
+            self.block_bytes[index] = 0
+            self._pages[index] = [r for r in self._pages[index] if r() is not None]
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), self._unpack)
+            hooks.__enter__()
+            self._active.append(hooks)
+
+        return enter
+
+    def _leave(self, _module, _args, _output) -> None:
+        if self._active:
+            hooks = self._active.pop()
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+
+    # ---- forward: out to host ---------------------------------------------------------
+
+    def _worth_moving(self, t: torch.Tensor) -> bool:
+        return (t.device == self.device and t.numel() * t.element_size() >= self.min_bytes
+                and dense_layout_problem(t) is None and t.untyped_storage().data_ptr() not in self._own)
+
+    def _pack(self, index: int, t: torch.Tensor) -> Page | torch.Tensor:
+        if not self._worth_moving(t):
+            self.counters["kept"] += 1
+            return t
+        self._sweep()
+        nbytes = t.numel() * t.element_size()
+        self._bound_inflight(nbytes)
+        page = Page(self, index)
+        page.shape, page.stride, page.dtype = t.shape, t.stride(), t.dtype
+        host = self.arena.empty(nbytes, torch.uint8, tag="activations", allow_pageable=True)
+        after = self.channel.mark_compute()
+        page.done_d2h = self.channel.to_host(flat(t.detach()), host.view(t.dtype), after)
+        page.host = host
+        if page.done_d2h is not None:
+            with self._lock:
+                self._inflight.append((page.done_d2h, nbytes))
+                self._inflight_bytes += nbytes
+        self._pages[index].append(weakref.ref(page))
+        self.counters["pages"] += 1
+        self.counters["d2h_bytes"] += nbytes
+        self.block_bytes[index] += nbytes
+        return page
+
+    def _bound_inflight(self, nbytes: int) -> None:
+        while True:
+            with self._lock:
+                while self._inflight and self._inflight[0][0].query():
+                    self._inflight_bytes -= self._inflight.popleft()[1]
+                if not self._inflight or self._inflight_bytes + nbytes <= self.max_inflight_bytes:
+                    return
+                oldest = self._inflight[0][0]
+            oldest.synchronize()
+
+    # ---- backward: back to the device ------------------------------------------------------
+
+    def _unpack(self, page: Page | torch.Tensor) -> torch.Tensor:
+        if not isinstance(page, Page):
+            return page
+        if page.kept is not None:
+            return page.kept
+        if page.fetched is None:
+            self._fetch_block(page.block)
+            self._prefetch_after(page.block)
+        self.channel.compute_wait(page.fetched_event)
+        t, page.fetched = page.fetched, None
+        return t
+
+    def _fetch(self, page: Page) -> None:
+        if page.fetched is not None or page.host is None:
+            return
+        t = torch.empty_strided(page.shape, page.stride, dtype=page.dtype, device=self.device)
+        page.fetched_event = self._upload(page.host.view(page.dtype), flat(t))
+        page.fetched = t
+        self.counters["h2d_bytes"] += page.host.numel()
+
+    def _upload(self, src: torch.Tensor, dst: torch.Tensor):
+        self.channel.stats.count("h2d", src.numel() * src.element_size())
+        if not self.channel.is_cuda:
+            dst.copy_(src)
+            return None
+        h2d = self.channel.h2d
+        with torch.cuda.device(self.device), torch.cuda.stream(h2d):
+            dst.copy_(src, non_blocking=True)
+            dst.record_stream(h2d)  # a prefetched page dropped unread must not be reused mid-copy
+            done = torch.cuda.Event()
+            done.record(h2d)
+        return done
+
+    def _fetch_block(self, index: int) -> None:
+        alive = [p for p in (ref() for ref in self._pages[index]) if p is not None]
+        self._pages[index] = [weakref.ref(p) for p in alive]
+        for page in alive:
+            self._fetch(page)
+
+    def _prefetch_after(self, index: int) -> None:
+        earlier = [b for b in self.paged if b < index][::-1][: self.prefetch_depth]
+        for b in earlier:
+            before = self.counters["h2d_bytes"]
+            self._fetch_block(b)
+            if self.counters["h2d_bytes"] > before:
+                self.counters["prefetched"] += 1
+
+    # ---- returning host blocks ----------------------------------------------------------------
+
+    def _retire(self, host: torch.Tensor, event) -> None:
+        self._retired.append((event, host))  # deque.append: safe from autograd's threads
+
+    def _sweep(self) -> None:
+        """Frees retired host blocks whose last copy is done (the oldest first)."""
+        while self._retired:
+            event, _host = self._retired[0]
+            if event is not None and not event.query():
+                return
+            self._retired.popleft()
+
+    def synchronize(self) -> None:
+        """Waits for every copy in flight and frees every retired host block."""
+        self.channel.synchronize()
+        with self._lock:
+            self._inflight.clear()
+            self._inflight_bytes = 0
+        self._retired.clear()
+
+    def stats(self) -> dict:
+        """Cumulative pages, bytes each way and prefetched blocks; host bytes held by pages now."""
+        live = sum(p.host.numel() for refs in self._pages.values() for p in (r() for r in refs)
+                   if p is not None and p.host is not None)
+        return {**self.counters, "host_bytes": live, "retired": len(self._retired)}

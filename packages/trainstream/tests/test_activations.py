@@ -1,0 +1,196 @@
+"""Activations: paging to host memory and recompute are bit-exact against keeping everything, compose
+with the engine's options, refuse bad input clearly and leak no page."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import trainstream
+import ts_pinned
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trainstream.memory.offload import ActivationOffloader
+from trainstream.memory.recompute import Recompute
+from ts_testing import batches, loss_of, tiny_llama
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, p: float):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.down(self.drop(torch.nn.functional.gelu(self.up(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, width=32, depth=4, p=0.0, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = torch.nn.ModuleList(Block(width, p) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).logsumexp(-1).mean()
+
+
+def _run(model, opt, steps=3, seed=0, width=32):
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 8, width, generator=torch.Generator().manual_seed(seed + step))
+        torch.manual_seed(100 + step)  # dropout masks: the same in every run
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model._trainstream_session.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("options", [
+    {"activation_offload": True, "min_offload_bytes": 0},
+    {"activation_offload": [1, 3], "min_offload_bytes": 0, "max_grad_norm": 0.1},
+    {"recompute": True},
+    {"recompute": 0.5, "activation_offload": [2, 3], "min_offload_bytes": 0, "accumulation_steps": 2},
+])
+def test_paging_and_recompute_train_bit_for_bit_like_keeping(options):
+    base = {k: v for k, v in options.items() if k in ("max_grad_norm", "accumulation_steps")}
+    kept, kept_opt = trainstream.wrap(Stack(p=0.2), lr=1e-2, **base)
+    ours, opt = trainstream.wrap(Stack(p=0.2), lr=1e-2, **options)
+    assert _run(ours, opt) == _run(kept, kept_opt)
+    for a, b in zip(ours.parameters(), kept.parameters()):
+        assert torch.equal(a, b)
+    report = trainstream.memory_report(ours)["activations"]
+    if options.get("activation_offload"):
+        assert report["paging"]["pages"] > 0 and report["paging"]["d2h_bytes"] > 0
+        assert report["paging"]["h2d_bytes"] == report["paging"]["d2h_bytes"]
+    if options.get("recompute"):
+        assert sum(r.calls for r in ours._trainstream_session.activations._recompute) > 0
+    trainstream.unwrap(ours)
+    trainstream.unwrap(kept)
+
+
+def test_paging_a_hugging_face_model_is_bit_exact():
+    kept, kept_opt = trainstream.wrap(tiny_llama(), lr=1e-2)
+    ours, opt = trainstream.wrap(tiny_llama(), lr=1e-2, activation_offload=True, min_offload_bytes=0)
+    for ids in batches(3):
+        for model, o in ((kept, kept_opt), (ours, opt)):
+            loss_of(model, ids).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ours.parameters(), kept.parameters()):
+        assert torch.equal(a, b)
+    assert trainstream.memory_report(ours)["activations"]["policy"] == ["offload", "offload"]
+
+
+def test_the_policy_is_reported_per_block():
+    model, _ = trainstream.wrap(Stack(depth=4), lr=1e-3, activation_offload=[0], recompute=[2, 3])
+    report = trainstream.memory_report(model)["activations"]
+    assert report["policy"] == ["offload", "keep", "recompute", "recompute"]
+    assert report["offloaded_blocks"] == [0] and report["recompute_blocks"] == [2, 3]
+    assert "1 of 4 blocks page" in report["decision"]
+    trainstream.unwrap(model)
+    assert "forward" not in model.layers[2].__dict__  # unwrap restored the plain forward
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"activation_offload": "auto"}, "'auto' is not available yet"),
+    ({"recompute": 1.5}, "recompute=1.5 is not valid"),
+    ({"recompute": [0, 0]}, "distinct"),
+    ({"activation_offload": [7]}, "the model has 4 blocks, indices [7] do not exist"),
+    ({"activation_offload": [1], "recompute": [1, 2]}, "blocks [1] are asked both"),
+    ({"prefetch_depth": 0}, "prefetch_depth=0 is not valid"),
+    ({"max_inflight_bytes": -1}, "max_inflight_bytes=-1 is not valid"),
+    ({"blocks": "layers"}, "blocks='layers' is not valid"),
+])
+def test_bad_activation_options_are_refused_and_change_nothing(options, message):
+    model = Stack(depth=4)
+    with pytest.raises(ValueError) as error:
+        trainstream.wrap(model, lr=1e-3, **options)
+    assert message in str(error.value)
+    assert not hasattr(model, "_trainstream_session")
+    assert all("forward" not in b.__dict__ for b in model.layers)
+
+
+def test_hugging_face_gradient_checkpointing_and_recompute_are_not_both_used():
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        trainstream.wrap(model, lr=1e-3, recompute=True)
+    model.gradient_checkpointing_disable()
+    model, _ = trainstream.wrap(model, lr=1e-3, recompute=True)
+    trainstream.unwrap(model)
+
+
+def test_a_copy_of_a_recomputing_model_runs_the_plain_forward():
+    model, opt = trainstream.wrap(Stack(), lr=1e-3, recompute=True)
+    _run(model, opt, steps=1)
+    twin = copy.deepcopy(model)
+    assert not any(isinstance(b.__dict__.get("forward"), Recompute) for b in twin.layers)
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(twin(x), model(x))
+
+
+def _page_bytes() -> int:
+    return ts_pinned.pinned_stats()["by_tag"].get("activations", 0)
+
+
+def test_an_exception_mid_backward_leaks_no_page():
+    model, opt = trainstream.wrap(Stack(), lr=1e-3, activation_offload=True, min_offload_bytes=0)
+    _run(model, opt, steps=1)
+    gc.collect()
+    model._trainstream_session.activations.sweep()
+    assert _page_bytes() == 0  # every page of the finished step went back to the arena
+
+    def explode(*_):
+        raise RuntimeError("boom in backward")
+
+    handle = model.layers[1].register_full_backward_hook(explode)
+    loss = model(torch.randn(4, 8, 32))
+    assert _page_bytes() > 0  # pages are out
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    handle.remove()
+    del loss
+    gc.collect()
+    opt.zero_grad()
+    model._trainstream_session.activations.sweep()
+    assert _page_bytes() == 0
+    _run(model, opt, steps=1)  # and training goes on
+
+
+def test_the_offloader_alone_on_a_plain_model():
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    offloader = ActivationOffloader(list(model.layers), [0, 1, 2, 3], device=torch.device("cpu"), min_bytes=0).attach()
+    x = torch.randn(4, 8, 32)
+    model(x).backward()
+    reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert offloader.stats()["pages"] >= 4 * 3
+    offloader.detach()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=12),
+       order=st.randoms(use_true_random=False))
+def test_live_pages_never_share_host_memory_and_come_back_intact(shapes, order):
+    offloader = ActivationOffloader([torch.nn.Identity()], [0], device=torch.device("cpu"), min_bytes=0)
+    tensors = [torch.randn(*s) for s in shapes]
+    pages = [offloader._pack(0, t) for t in tensors]
+    spans = sorted((p.host.data_ptr(), p.host.data_ptr() + p.host.numel()) for p in pages)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap between live pages
+    indices = list(range(len(pages)))
+    order.shuffle(indices)
+    for i in indices:
+        assert torch.equal(offloader._unpack(pages[i]), tensors[i])
