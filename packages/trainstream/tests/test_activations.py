@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 
 import pytest
 import torch
@@ -189,7 +190,7 @@ def test_live_pages_never_share_host_memory_and_come_back_intact(shapes, order):
     tensors = [torch.randn(*s) for s in shapes]
     pages = [offloader._pack(0, t) for t in tensors]
     spans = sorted((p.host.data_ptr(), p.host.data_ptr() + p.host.numel()) for p in pages)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap between live pages
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no overlap between live pages
     indices = list(range(len(pages)))
     order.shuffle(indices)
     for i in indices:

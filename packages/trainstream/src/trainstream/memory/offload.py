@@ -87,11 +87,10 @@ class ActivationOffloader:
             block = self.blocks[index]
             for t in [*block.parameters(), *block.buffers()]:
                 self._own.add(t.untyped_storage().data_ptr())
-            for fn, register in ((self._enter(index), block.register_forward_pre_hook),
-                                 (self._leave, lambda h: block.register_forward_hook(h, always_call=True))):
-                hook = EngineHook(fn)
-                self._hooks.append(hook)
-                self._handles.append(register(hook))
+            enter, leave = EngineHook(self._enter(index)), EngineHook(self._leave)
+            self._hooks += [enter, leave]
+            self._handles.append(block.register_forward_pre_hook(enter))
+            self._handles.append(block.register_forward_hook(leave, always_call=True))  # also when forward raises
         return self
 
     def detach(self) -> None:
