@@ -175,3 +175,18 @@ def test_random_interrupts_during_training_never_hang_or_tear(name):
     assert [s["step"] for s in snapshot(model)] == [k + 1 for k in steps]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     trainstream.unwrap(model)
+
+
+def test_a_handler_installed_after_wrap_is_chained_to_and_interrupts_stay_deferred():
+    from trainstream.engine import interrupts
+
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-3)
+    calls = []
+    signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))  # the user's own handler
+    _iteration(model, opt, batches(1)[0], {}, {})  # step() takes the handler over again
+    assert signal.getsignal(signal.SIGINT) is interrupts._handler
+    with interrupts.critical():
+        signal.raise_signal(signal.SIGINT)
+        assert calls == []  # held back inside a transition
+    assert calls == [signal.SIGINT]  # then delivered to the user's handler
+    trainstream.unwrap(model)

@@ -149,6 +149,7 @@ class TrainStreamSession:
     # ---- called by OffloadAdamW -----------------------------------------------
 
     def optimizer_step(self) -> None:
+        interrupts.ensure()
         self.engine.step()
         self.activations.sweep()
         self.steps += 1

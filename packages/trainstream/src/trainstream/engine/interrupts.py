@@ -8,7 +8,8 @@ and raised when the outermost section ends, so an interrupt lands before or afte
 never inside it. Long waits are never inside a critical section, so Ctrl-C stays prompt.
 
 The handler is installed by the first wrapped model (main thread only) and chains to whatever
-handler was there before; the last session to close puts the previous handler back.
+handler was there before; a handler installed later by the user is taken over (and chained to)
+at the next wrap() or step(); the last session to close puts the previous handler back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import signal
 import threading
 
-__all__ = ["critical", "install", "uninstall"]
+__all__ = ["critical", "ensure", "install", "uninstall"]
 
 _state = threading.local()
 _lock = threading.Lock()
@@ -74,17 +75,28 @@ def critical() -> _Critical:
 
 def install() -> bool:
     """Installs the deferring SIGINT handler (counted); False, doing nothing, off the main thread."""
-    global _users, _previous
+    global _users
     if threading.current_thread() is not threading.main_thread():
         return False
     with _lock:
-        if _users == 0:
-            current = signal.getsignal(signal.SIGINT)
-            if current is not _handler:
-                _previous = current
-                signal.signal(signal.SIGINT, _handler)
         _users += 1
+        _take_over()
     return True
+
+
+def ensure() -> None:
+    """Re-installs the handler if someone replaced it since (theirs is then the one chained to)."""
+    if _users and threading.current_thread() is threading.main_thread():
+        with _lock:
+            _take_over()
+
+
+def _take_over() -> None:
+    global _previous
+    current = signal.getsignal(signal.SIGINT)
+    if current is not _handler:
+        _previous = current
+        signal.signal(signal.SIGINT, _handler)
 
 
 def uninstall() -> None:
