@@ -28,7 +28,7 @@ CONFIGS = {"plain": {}, "clipped": {"max_grad_norm": 0.05}, "accumulated": {"acc
 
 @pytest.fixture(autouse=True)
 def _watchdog_and_ctrl_c():
-    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails loudly instead of stalling CI
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang fails loudly instead of stalling CI
     # A process started in the background inherits SIGINT ignored (Python then installs no handler):
     # these tests need Ctrl-C to raise KeyboardInterrupt, as in a terminal.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
