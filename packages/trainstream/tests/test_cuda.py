@@ -244,3 +244,52 @@ def test_quantized_base_trains_on_cuda_like_on_cpu():
         trainstream.unwrap(model)
     assert runs["cuda"][-1] < runs["cuda"][0]
     assert runs["cuda"] == pytest.approx(runs["cpu"], rel=3e-2)
+
+
+def _eager_llama(layers=4, hidden=512, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=8, vocab_size=4096,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaForCausalLM(config).cuda().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", [{"activation_offload": True}, {"recompute": True},
+                                    {"activation_offload": [0, 1], "recompute": [2, 3], "prefetch_depth": 2}])
+def test_paging_and_recompute_are_bit_exact_on_cuda(dtype, policy):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        data = batches(4, vocab=4096, batch=2, seq=256)
+        runs = {}
+        for name, options in (("keep", {}), ("policy", {**policy, "min_offload_bytes": 0})):
+            model, opt = trainstream.wrap(_eager_llama(dtype=dtype), lr=1e-3, offload=True, **options)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            losses = _train(model, opt, data)
+            runs[name] = (losses, [p.detach().clone() for p in model.parameters()],
+                          torch.cuda.max_memory_allocated(), trainstream.memory_report(model)["activations"])
+            trainstream.unwrap(model)
+        assert runs["policy"][0] == runs["keep"][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs["policy"][1], runs["keep"][1]))
+        assert runs["policy"][2] < runs["keep"][2]  # the activations really left VRAM
+        paging = runs["policy"][3]["paging"]
+        if "activation_offload" in policy:
+            assert paging["d2h_bytes"] == paging["h2d_bytes"] > 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_paged_activations_leave_no_page_behind_on_cuda():
+    import gc
+
+    import ts_pinned
+
+    model, opt = trainstream.wrap(_eager_llama(), lr=1e-3, offload=True, activation_offload=True)
+    _train(model, opt, batches(2, vocab=4096, batch=2, seq=256))
+    gc.collect()
+    model._trainstream_session.activations.offloader.synchronize()
+    assert ts_pinned.pinned_stats()["by_tag"].get("activations", 0) == 0
+    trainstream.unwrap(model)
