@@ -11,9 +11,10 @@ from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
 from .engine import transfer_stats
-from .memory import find_blocks, quantize_model
+from .memory import ActivationOffloader, find_blocks, quantize_model
 
 __all__ = [
+    "ActivationOffloader",
     "OffloadAdamW",
     "TrainStreamSession",
     "causal_lm_loss",

@@ -4,6 +4,7 @@ activation paging and recomputation, and the planner's application land here.
 """
 
 from .blocks import find_blocks
+from .offload import ActivationOffloader
 from .quantize import quantize_model
 
-__all__ = ["find_blocks", "quantize_model"]
+__all__ = ["ActivationOffloader", "find_blocks", "quantize_model"]
