@@ -33,6 +33,8 @@ def restore_threads():
 
 
 def test_all_cores_share_one_pool():
+    if sum(_importable(name) for name in CORES) < 2:
+        pytest.skip("needs two TrainStream cores installed (ts-adamw is installed alone here)")
     out = run_python("""
         import importlib, os
         import torch
