@@ -195,3 +195,37 @@ def test_live_pages_never_share_host_memory_and_come_back_intact(shapes, order):
     order.shuffle(indices)
     for i in indices:
         assert torch.equal(offloader._unpack(pages[i]), tensors[i])
+
+
+@pytest.mark.parametrize("policy", [{"activation_offload": True, "min_offload_bytes": 0}, {"recompute": True}])
+def test_policies_compose_with_lora_on_a_quantized_base_autocast_and_the_chunked_loss(policy):
+    peft = pytest.importorskip("peft")
+    from trainstream.integrations.huggingface import decoder_and_head
+
+    def lora_model():
+        model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
+        torch.manual_seed(3)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)  # adapters that already change the output
+        return model
+
+    runs = []
+    for options in ({}, policy):
+        model, opt = trainstream.wrap(lora_model(), lr=1e-2, quantize="int8", **options)
+        assert trainstream.memory_report(model)["params"]["quantize"] == "int8"
+        decoder, head = decoder_and_head(model)
+        losses = []
+        for ids in batches(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = decoder(input_ids=ids).last_hidden_state
+            loss = trainstream.causal_lm_loss(hidden, head.weight, ids, chunk_size=5)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        model._trainstream_session.synchronize()
+        runs.append((losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]))
+        trainstream.unwrap(model)
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -71,7 +71,13 @@ class ActivationPolicy:
                              "model.gradient_checkpointing_disable(), or leave activation_offload/recompute False")
         self._recompute: list[Recompute] = []
         self.offloader = None
+        self._config, self._use_cache = getattr(model, "config", None), None
         try:
+            if self.recomputed and getattr(self._config, "use_cache", False) is True:
+                # A recomputed layer would append its keys and values to the cache a second time.
+                self._use_cache, self._config.use_cache = True, False
+                events.add("activations", "recompute: the model's KV cache is off while wrapped (use_cache=False), "
+                                          "as Hugging Face does for gradient checkpointing")
             for i in self.recomputed:
                 self._recompute.append(Recompute(self.blocks[i]).install())
             if self.offloaded:
@@ -105,6 +111,8 @@ class ActivationPolicy:
         for r in self._recompute:
             r.remove()
         self._recompute = []
+        if self._use_cache is not None:
+            self._config.use_cache, self._use_cache = self._use_cache, None
         if self.offloader is not None:
             self.offloader.detach()
             self.offloader.synchronize()
