@@ -229,3 +229,15 @@ def test_policies_compose_with_lora_on_a_quantized_base_autocast_and_the_chunked
         trainstream.unwrap(model)
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_pages_come_from_the_reserved_pool_after_the_first_step():
+    model, opt = trainstream.wrap(Stack(width=64), lr=1e-3, activation_offload=True, min_offload_bytes=0)
+    _run(model, opt, steps=1, width=64)  # the first step measures; step() grows the pool
+    offloader = model._trainstream_session.activations.offloader
+    assert offloader.counters["pool_grown"] > 0
+    fallbacks = ts_pinned.default_arena().stats()["arena_fallbacks"]
+    _run(model, opt, steps=3, seed=5, width=64)
+    assert ts_pinned.default_arena().stats()["arena_fallbacks"] == fallbacks  # no page allocated on its own
+    assert any("more page-locked memory for activation pages" in e for e in trainstream.memory_report(model)["events"])
+    trainstream.unwrap(model)

@@ -72,6 +72,7 @@ class ActivationPolicy:
         self._recompute: list[Recompute] = []
         self.offloader = None
         self._config, self._use_cache = getattr(model, "config", None), None
+        self._events = events
         try:
             if self.recomputed and getattr(self._config, "use_cache", False) is True:
                 # A recomputed layer would append its keys and values to the cache a second time.
@@ -103,9 +104,21 @@ class ActivationPolicy:
         return kinds
 
     def sweep(self) -> None:
-        """Frees host pages whose copies are done (called at each step)."""
-        if self.offloader is not None:
-            self.offloader._sweep()
+        """At each step: frees host pages whose copies are done, and grows the page pool to what the
+        step needed (page-locking between steps, not inside them)."""
+        if self.offloader is None:
+            return
+        self.offloader._sweep()
+        try:
+            grown = self.offloader.grow_pool()
+        except MemoryError as error:
+            self.offloader.peak_live_bytes = 0
+            self._events.add("activations", f"the page pool could not grow ({error}); pages beyond it are "
+                                            f"page-locked one by one, or pageable")
+            return
+        if grown:
+            self._events.add("activations", f"reserved {grown / 2**30:.2f} GiB more page-locked memory for "
+                                            f"activation pages (the most the last step held at once)")
 
     def remove(self) -> None:
         for r in self._recompute:

@@ -77,7 +77,9 @@ class ActivationOffloader:
         self._lock = threading.Lock()
         self._own: set[int] = set()  # storages of parameters and buffers: never paged
         self._handles, self._hooks, self._active = [], [], []
-        self.counters = {"pages": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0}
+        self.counters = {"pages": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0, "pool_grown": 0}
+        self._live_bytes = 0  # host bytes held by pages (and retired blocks not yet freed)
+        self.peak_live_bytes = 0  # the most held at once since the last grow_pool()
         self.block_bytes = [0] * len(self.blocks)  # bytes paged per block in the last forward
 
     # ---- installing ----------------------------------------------------------------
@@ -140,6 +142,9 @@ class ActivationOffloader:
         after = self.channel.mark_compute()
         page.done_d2h = self.channel.to_host(flat(t.detach()), host.view(t.dtype), after)
         page.host = host
+        with self._lock:
+            self._live_bytes += nbytes
+            self.peak_live_bytes = max(self.peak_live_bytes, self._live_bytes)
         if page.done_d2h is not None:
             with self._lock:
                 self._inflight.append((page.done_d2h, nbytes))
@@ -220,7 +225,9 @@ class ActivationOffloader:
             event, _host = self._retired[0]
             if event is not None and not event.query():
                 return
-            self._retired.popleft()
+            _, host = self._retired.popleft()
+            with self._lock:
+                self._live_bytes -= host.numel()
 
     def synchronize(self) -> None:
         """Waits for every copy in flight and frees every retired host block."""
@@ -228,7 +235,25 @@ class ActivationOffloader:
         with self._lock:
             self._inflight.clear()
             self._inflight_bytes = 0
-        self._retired.clear()
+        while self._retired:
+            _, host = self._retired.popleft()
+            with self._lock:
+                self._live_bytes -= host.numel()
+
+    def grow_pool(self) -> int:
+        """Between steps: reserves page-locked slabs for as many page bytes as the last steps held at
+        once, so the next steps carve pages from the arena instead of page-locking (and, on release,
+        synchronizing for) each one on its own. Returns the bytes added (0 when the pool sufficed)."""
+        stats = self.arena.stats()
+        free = stats["arena_bytes"] - stats["arena_used"]
+        want = int(self.peak_live_bytes * 1.05) + (4 << 20)
+        self.peak_live_bytes = self._live_bytes
+        if want <= free:
+            return 0
+        before = stats["arena_bytes"]
+        after = self.arena.reserve(before + want - free)
+        self.counters["pool_grown"] += after - before
+        return after - before
 
     def stats(self) -> dict:
         """Cumulative pages, bytes each way and prefetched blocks; host bytes held by pages now."""
