@@ -72,13 +72,10 @@ class HostChannel:
         self.stats.count("d2h", src.numel() * src.element_size())
         return None
 
-    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks, sequence: int) -> None:
+    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks) -> None:
         dst.copy_(src)
         self.stats.count("h2d", src.numel() * src.element_size())
         return None
-
-    def publish(self, marks: UploadMarks, sequence: int) -> None:
-        """A failed update's sequence passes without a copy."""
 
     def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied, event=None) -> None:
         wait_applied(sequence)
@@ -123,8 +120,8 @@ class CudaChannel:
         self.stats.count("d2h", src.numel() * src.element_size())
         return done
 
-    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks, sequence: int) -> torch.cuda.Event:
-        """Queues src (pinned host) -> dst (device) on the H2D stream, then marks `sequence` landed."""
+    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks) -> torch.cuda.Event:
+        """Queues src (pinned host) -> dst (device) on the H2D stream; the newest upload's event goes to `marks`."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
@@ -132,9 +129,6 @@ class CudaChannel:
         marks.last_event = done
         self.stats.count("h2d", src.numel() * src.element_size())
         return done
-
-    def publish(self, marks: UploadMarks, sequence: int) -> None:
-        """A failed update: nothing to copy (waiters on its sequence are released by the worker)."""
 
     def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied,
                             event: torch.cuda.Event | None = None) -> None:

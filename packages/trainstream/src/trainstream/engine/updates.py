@@ -183,7 +183,7 @@ class HostUpdater:
                 self._apply(*item)
 
     def _apply(self, sequence: int, slot: ParamSlot) -> None:
-        applied = uploaded = False
+        applied = False
         error = None
         try:
             self._channel.host_wait(slot.grad_token)
@@ -192,16 +192,10 @@ class HostUpdater:
                                 param_out=None if slot.out_host is slot.master else slot.out_host,
                                 **slot.hyper.kwargs(slot.step + 1))
             applied = True
-            slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks, sequence)
-            uploaded = True
+            slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
         except BaseException as failure:  # reported once, at the next sync point
             error = failure
-        if not uploaded:
-            try:
-                self._channel.publish(self._marks, sequence)  # nothing may wait forever on this sequence
-            except BaseException as failure:
-                error = error or failure
-        with self._done:
+        with self._done:  # handled, applied or not: nobody waits forever on this sequence
             slot.grad_token = slot.hyper = None
             if applied:
                 slot.step += 1
