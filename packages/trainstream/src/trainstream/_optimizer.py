@@ -73,9 +73,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         check_hyper(param_group, f"param group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """Queues the updates whose gradients have arrived; returns without waiting for them."""
+        """Queues the updates whose gradients have arrived (see guard_params for what it waits for).
+        No torch.no_grad() here: the engine touches no tensor autograd tracks, and a Ctrl-C inside
+        torch's context manager could leave gradients off for the rest of the program."""
         session = self._engine_or_raise()
         loss = None
         if closure is not None:

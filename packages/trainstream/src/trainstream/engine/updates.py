@@ -13,6 +13,7 @@ import atexit
 import collections
 import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -117,11 +118,14 @@ class HostUpdater:
         self._events = events
         self._items: collections.deque = collections.deque()
         self._wake = threading.Event()
-        self._done = threading.Condition()
+        self._lock = threading.Lock()  # the worker's bookkeeping; never held across a wait
         self.submitted = 0
         self.applied = 0
         self.updates = 0
         self._errors: list[tuple[ParamSlot, BaseException]] = []
+        # Liveness as a flag the worker clears on its way out: Thread.is_alive() interrupted by a
+        # KeyboardInterrupt on 3.11 can mark a running thread stopped for good.
+        self._running = True
         self._thread = threading.Thread(target=self._run, name="trainstream-host-adamw", daemon=True)
         self._thread.start()
         _live_updaters.add(self)
@@ -138,10 +142,15 @@ class HostUpdater:
         return sequence
 
     def _wait(self, done) -> None:
-        with self._done:
-            while not self._done.wait_for(done, timeout=1.0):
-                if not self._thread.is_alive():
-                    raise RuntimeError("trainstream's host update worker has stopped; updates queued to it are lost")
+        # Polls with short sleeps rather than waiting on a Condition: a KeyboardInterrupt that lands
+        # while Condition.wait re-acquires its lock leaves it released and raises a RuntimeError
+        # instead (seen in the SIGALRM soak). time.sleep is interrupted cleanly.
+        delay = 0.0
+        while not done():
+            if not self._running:
+                raise RuntimeError("trainstream's host update worker has stopped; updates queued to it are lost")
+            time.sleep(delay)
+            delay = min(1e-3, 2 * delay + 5e-6)
 
     def wait_applied(self, sequence: int) -> None:
         """Blocks until every update up to `sequence` has been handled (applied or failed)."""
@@ -157,13 +166,13 @@ class HostUpdater:
 
     def take_errors(self) -> list[tuple[ParamSlot, BaseException]]:
         """The failures not reported yet (each is reported once)."""
-        with self._done:
+        with self._lock:
             errors, self._errors = self._errors, []
         return errors
 
     def close(self) -> None:
         """Applies what is queued, then stops the worker (idempotent)."""
-        if not self._thread.is_alive():
+        if not self._running:
             return
         self.drain()
         self._items.append(None)
@@ -173,14 +182,17 @@ class HostUpdater:
     # ---- worker thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            while self._items:
-                item = self._items.popleft()
-                if item is None:
-                    return
-                self._apply(*item)
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                while self._items:
+                    item = self._items.popleft()
+                    if item is None:
+                        return
+                    self._apply(*item)
+        finally:
+            self._running = False
 
     def _apply(self, sequence: int, slot: ParamSlot) -> None:
         applied = False
@@ -195,7 +207,7 @@ class HostUpdater:
             slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
         except BaseException as failure:  # reported once, at the next sync point
             error = failure
-        with self._done:  # handled, applied or not: nobody waits forever on this sequence
+        with self._lock:  # handled, applied or not: nobody waits forever on this sequence
             slot.grad_token = slot.hyper = None
             if applied:
                 slot.step += 1
@@ -206,5 +218,4 @@ class HostUpdater:
                 self._errors.append((slot, error))
                 self._events.add("error", f"host update of {slot.label} failed ({what}): {error!r}")
             slot.move(SlotState.IDLE)
-            self.applied = sequence
-            self._done.notify_all()
+            self.applied = sequence  # last: waiters see the slot IDLE and its step counted first
