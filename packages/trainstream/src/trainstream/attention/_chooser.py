@@ -1,0 +1,389 @@
+"""AttentionChooser: which scaled-dot-product-attention backend a wrapped model's forward and backward use.
+
+How the pin is applied:
+- The first forward of each new input signature (shapes, dtypes, grad mode, autocast, deterministic
+  mode) runs under a TorchFunctionMode that sees each ``F.scaled_dot_product_attention`` call; a
+  call shape not seen before is measured there (``"auto"``) or checked (a named backend). Later
+  forwards of a known signature only enter ``sdpa_kernel`` around the model's forward: a few
+  microseconds, no per-op cost.
+- Backward: autograd replays the backward of the kernel the forward chose, so the forward's pin
+  decides. Recomputation (``torch.utils.checkpoint``, Hugging Face gradient checkpointing,
+  ``wrap(recompute=...)``) runs forward again inside backward, outside the forward's context: a hook
+  on the model's outputs enters the same pin when the first gradient reaches them and leaves it when
+  that backward pass ends, so recomputed attention uses the measured backend too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from .._events import EventLog
+from ..engine.hooks import EngineHook
+from ._calls import SdpaCall, determinism, forward_signature
+from ._measure import (
+    BACKENDS,
+    Measurement,
+    Timer,
+    candidates,
+    default_timer,
+    deterministic_backends,
+    measure,
+    name_of,
+    priority_order,
+    refusal,
+    run_backend,
+)
+
+__all__ = ["ATTENTION_MODES", "AttentionChooser", "AttentionHandle", "check_attention_mode"]
+
+ATTENTION_MODES = ("auto", "default", "cudnn", "efficient", "flash", "math")
+
+
+def check_attention_mode(value) -> str:
+    """Validates ``attention=``: one of ATTENTION_MODES, ``None`` (= ``"default"``) or an SDPBackend."""
+    if value is None:
+        return "default"
+    if isinstance(value, SDPBackend) and value in BACKENDS.values():
+        return name_of(value)
+    if isinstance(value, str) and value in ATTENTION_MODES:
+        return value
+    raise ValueError(f"attention={value!r} is not valid; use one of 'auto' (the fastest measured on the model's "
+                     f"shapes), 'default' or None (PyTorch's own choice), 'cudnn', 'efficient', 'flash', 'math'")
+
+
+def attn_implementation(model: torch.nn.Module) -> str | None:
+    """The Hugging Face ``config._attn_implementation`` of the model (or of a wrapped inner model)."""
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        impl = getattr(config, "_attn_implementation", None)
+        if isinstance(impl, str):
+            return impl
+    return None
+
+
+class _Entry:
+    """One forward signature: the call shapes its forward made and the pin they give."""
+
+    __slots__ = ("complete", "device_type", "keys", "pin", "used")
+
+    def __init__(self):
+        self.device_type = "cpu"
+        self.keys: dict[tuple, Measurement] = {}
+        self.pin: list[SDPBackend] | None = None
+        self.complete = True  # False: a call shape was left unmeasured (no gradients), look again later
+        self.used: set[str] = set()  # first backends the discovery forward ran calls under
+
+
+class _Discovery(TorchFunctionMode):
+    def __init__(self, chooser: AttentionChooser, entry: _Entry):
+        super().__init__()
+        self.chooser, self.entry = chooser, entry
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self.chooser._discovered_call(self.entry, func, args, kwargs)
+
+
+class _BackwardPin:
+    """Enters the pin when the first gradient reaches one of the model's outputs; leaves it when
+    that backward pass ends (autograd's final callback)."""
+
+    def __init__(self, backends: list[SDPBackend], live: list):
+        self.backends, self.live, self.ctx = backends, live, None
+
+    def __call__(self, grad):
+        if self.ctx is None:
+            ctx = sdpa_kernel(self.backends, set_priority=True)
+            ctx.__enter__()
+            self.ctx = ctx
+            self.live.append(self)
+            torch.autograd.Variable._execution_engine.queue_callback(self.release)
+        return None
+
+    def release(self) -> None:
+        ctx, self.ctx = self.ctx, None
+        if self in self.live:
+            self.live.remove(self)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+def _output_tensors(value, out: list, depth: int = 0) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            out.append(value)
+    elif depth < 3 and isinstance(value, Mapping):
+        for item in value.values():
+            _output_tensors(item, out, depth + 1)
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            _output_tensors(item, out, depth + 1)
+
+
+class AttentionHandle:
+    """What ``AttentionChooser.install`` returns; ``remove()`` takes the hooks off (idempotent)."""
+
+    def __init__(self, chooser: AttentionChooser, handles: list, hooks: list[EngineHook]):
+        self._chooser, self._handles, self._hooks = chooser, handles, hooks
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for hook in self._hooks:
+            hook.disable()
+        self._handles, self._hooks = [], []
+        if self._chooser is not None:
+            self._chooser._detached()
+            self._chooser = None
+
+
+class AttentionChooser:
+    """Chooses the attention backend of one model: ``mode`` as ``wrap(attention=...)``.
+
+    ``"auto"``: each new call shape is measured (forward + backward, ``timer``) and the fastest
+    backend that runs it and agrees with the math backend is pinned; ``"default"``: nothing is
+    changed; a backend name: that backend first, PyTorch's order for shapes it cannot run.
+    ``events``: an EventLog (or anything with ``add(kind, message)``). ``timer(backend, run,
+    device) -> ms`` replaces the CUDA-event timer (tests). ``may_reset_peak()``: when it returns
+    True, a measurement that raised the CUDA peak-memory counter resets it, so the measurement
+    does not count as the step's peak.
+    """
+
+    def __init__(self, mode="auto", *, events=None, timer: Timer | None = None, reps: int = 3,
+                 max_check_heads: int = 2, may_reset_peak: Callable[[], bool] | None = None):
+        self.mode = check_attention_mode(mode)
+        self.events = events if events is not None else EventLog()
+        self.timer = timer if timer is not None else default_timer(reps)
+        self.max_check_heads = max_check_heads
+        self.may_reset_peak = may_reset_peak
+        self.left_alone: str | None = None
+        self._known: dict[tuple, Measurement] = {}
+        self._entries: dict[tuple, _Entry] = {}
+        self._labels: dict[str, Measurement] = {}
+        self._installed = False
+        self._depth = 0
+        self._current: _Entry | None = None
+        self._forward_ctx = None
+        self._mode_ctx: _Discovery | None = None
+        self._live: list[_BackwardPin] = []
+        self._last_backend: str | None = None
+        self._no_calls_reported = False
+
+    # ---- install / remove -------------------------------------------------------------
+
+    def install(self, model: torch.nn.Module) -> AttentionHandle:
+        """Hooks ``model``'s forward (nothing for ``"default"`` or a model that does not use SDPA)."""
+        if self._installed:
+            raise RuntimeError("this AttentionChooser is already installed on a model; remove() its handle first")
+        if self.mode == "default":
+            self.events.add("attention", "attention='default': PyTorch picks the kernel of each attention call")
+            return AttentionHandle(None, [], [])
+        impl = attn_implementation(model)
+        if impl is not None and "sdpa" not in impl.split("|"):
+            self.left_alone = (f"the model computes attention with attn_implementation={impl!r}, not "
+                               f"scaled_dot_product_attention")
+            self.events.add("attention", f"attention={self.mode!r} left alone: {self.left_alone}; load the model "
+                                         f"with attn_implementation='sdpa' to let trainstream choose the kernel")
+            return AttentionHandle(None, [], [])
+        pre, post = EngineHook(self._pre), EngineHook(self._post)
+        handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+                   model.register_forward_hook(post, with_kwargs=True, always_call=True)]
+        self._installed = True
+        what = ("the fastest backend measured on each new attention shape (forward + backward)"
+                if self.mode == "auto" else f"the {self.mode} backend first, PyTorch's order where it cannot run")
+        self.events.add("attention", f"attention={self.mode!r}: {what}, pinned around forward and backward")
+        return AttentionHandle(self, handles, [pre, post])
+
+    def _detached(self) -> None:
+        if self._mode_ctx is not None:
+            mode, self._mode_ctx = self._mode_ctx, None
+            mode.__exit__(None, None, None)
+        self._exit_forward_pin()
+        self._release_stale()
+        self._installed, self._depth = False, 0
+
+    # ---- forward hooks ------------------------------------------------------------------
+
+    def _pre(self, module, args, kwargs):
+        if self._depth == 0:
+            self._release_stale()
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        signature = forward_signature(args, kwargs)
+        entry = self._entries.get(signature)
+        if entry is None:
+            entry = _Entry()
+            self._entries[signature] = entry
+            mode = _Discovery(self, entry)
+            mode.__enter__()
+            self._mode_ctx = mode
+        elif entry.pin:
+            ctx = sdpa_kernel(entry.pin, set_priority=True)
+            ctx.__enter__()
+            self._forward_ctx = ctx
+        self._current = entry
+        return None
+
+    def _post(self, module, args, kwargs, output):
+        if self._depth == 0:  # a hook before ours raised: our pre-hook never ran
+            return None
+        self._depth -= 1
+        if self._depth > 0:
+            return None
+        entry, self._current = self._current, None
+        if self._mode_ctx is not None:
+            mode, self._mode_ctx = self._mode_ctx, None
+            mode.__exit__(None, None, None)
+            self._finish(entry)
+        self._exit_forward_pin()
+        if entry is None:
+            return None
+        self._last_backend = name_of(entry.pin[0]) if entry.pin else None
+        if entry.pin and output is not None and torch.is_grad_enabled():
+            tensors: list[torch.Tensor] = []
+            _output_tensors(output, tensors)
+            if tensors:
+                pin = _BackwardPin(entry.pin, self._live)
+                for tensor in tensors:
+                    tensor.register_hook(pin)
+        return None
+
+    def _exit_forward_pin(self) -> None:
+        if self._forward_ctx is not None:
+            ctx, self._forward_ctx = self._forward_ctx, None
+            ctx.__exit__(None, None, None)
+
+    def _release_stale(self) -> None:
+        # A backward that raised never ran its final callback; its pin is left here, newest first.
+        for pin in reversed(list(self._live)):
+            pin.release()
+
+    def _finish(self, entry: _Entry) -> None:
+        if not entry.keys and entry.complete and not self._no_calls_reported and torch.is_grad_enabled():
+            self._no_calls_reported = True
+            self.events.add("attention", "the model's forward made no scaled_dot_product_attention call: "
+                                         "nothing to choose")
+        if (entry.pin and len(entry.used) > 1) or (entry.pin and entry.used and name_of(entry.pin[0]) not in entry.used):
+            self.events.add("attention", f"this forward's attention shapes differ in their fastest backend; "
+                                         f"the first forward ran them under {sorted(entry.used)}, later ones under "
+                                         f"{[name_of(b) for b in entry.pin]} in that order")
+
+    # ---- one attention call in a discovery forward ----------------------------------------
+
+    def _discovered_call(self, entry: _Entry, func, args, kwargs):
+        call = SdpaCall.from_args(args, kwargs)
+        key = call.key_of()
+        result = self._known.get(key)
+        if result is None:
+            if self.mode != "auto":
+                result = self._check_named(call)
+            elif call.needs_grad:
+                result = self._measure(call)
+            else:
+                entry.complete = False
+        if result is not None:
+            self._known[key] = result
+            entry.keys.setdefault(key, result)
+        entry.device_type = call.device.type
+        entry.pin = self._pin(entry)
+        if not entry.pin:
+            return func(*args, **kwargs)
+        entry.used.add(name_of(entry.pin[0]))
+        with sdpa_kernel(entry.pin, set_priority=True):
+            return func(*args, **kwargs)
+
+    def _runner(self, backend: SDPBackend, call: SdpaCall, **kwargs):
+        """Runs one backend on a call (forward + backward); tests override it to fake a wrong kernel."""
+        return run_backend(backend, call, **kwargs)
+
+    def _measure(self, call: SdpaCall) -> Measurement:
+        device = call.device
+        deterministic, warn_only = determinism()
+        backends, left_out = candidates(device, deterministic, warn_only)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        result = measure(call, backends, self.timer, runner=self._runner, max_check_heads=self.max_check_heads)
+        result.skipped.update(left_out)
+        self._labels[result.label] = result
+        reset = ""
+        if device.type == "cuda" and torch.cuda.max_memory_allocated(device) > peak:
+            extra = torch.cuda.max_memory_allocated(device) - peak
+            if self.may_reset_peak is not None and self.may_reset_peak():
+                torch.cuda.reset_peak_memory_stats(device)
+                reset = f"; its {extra / 2**20:.0f} MiB peak is not counted in the step's peak"
+            else:
+                reset = f"; it raised the peak by {extra / 2**20:.0f} MiB"
+        times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(result.timings_ms.items(), key=lambda x: x[1]))
+        skipped = "; ".join(f"{name} skipped: {why}" for name, why in result.skipped.items())
+        self.events.add("attention", f"auto, {result.label}: {times or 'no backend ran'} -> "
+                                     f"{result.chosen or 'math'}" + (f"; {skipped}" if skipped else "") + reset)
+        # Signatures left incomplete (no-grad forwards that met this shape unmeasured) look again.
+        self._entries = {s: e for s, e in self._entries.items() if e.complete}
+        return result
+
+    def _check_named(self, call: SdpaCall) -> Measurement:
+        name = self.mode
+        backend = BACKENDS[name]
+        result = Measurement(call.label())
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                self._runner(backend, call)
+                result.chosen = name
+            except Exception as error:
+                result.skipped[name] = refusal(backend, error, caught)
+        deterministic, warn_only = determinism()
+        if result.chosen and deterministic and backend not in deterministic_backends(call.device.type, warn_only):
+            self.events.add("attention", f"attention={name!r} at {result.label}: not deterministic under "
+                                         f"torch.use_deterministic_algorithms; used as asked")
+        if not result.chosen:
+            self.events.add("attention", f"attention={name!r} cannot run {result.label} ({result.skipped[name]}): "
+                                         f"PyTorch's next backend in its order runs it")
+        self._labels[result.label] = result
+        return result
+
+    def _pin(self, entry: _Entry) -> list[SDPBackend] | None:
+        """The backends enabled around this signature's forward and backward, in priority order."""
+        if self.mode != "auto":
+            ranked = [BACKENDS[self.mode], *(b for b in priority_order() if b != BACKENDS[self.mode])]
+        else:
+            measured = list(entry.keys.values())
+            if not measured:
+                return None
+            order = [name_of(b) for b in priority_order()]
+            valid = set.intersection(*(set(m.timings_ms) for m in measured))
+            names = sorted(valid, key=lambda n: (sum(m.timings_ms[n] for m in measured), order.index(n)))
+            ranked = [BACKENDS[n] for n in names]
+            if SDPBackend.MATH not in ranked:
+                ranked.append(SDPBackend.MATH)  # the fallback that runs every shape
+        if entry.device_type == "cpu":
+            # torch's CPU dispatcher ignores the priority order (flash, then math): enable only the
+            # chosen backend, with math behind it as the fallback.
+            return ranked[:1] + ([SDPBackend.MATH] if ranked[0] != SDPBackend.MATH else [])
+        return ranked
+
+    # ---- report ----------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        """For ``memory_report(model)["attention"]``: ``mode``, ``backend`` (of the latest forward),
+        ``timings_ms`` {shape: {backend: ms}}, ``chosen`` {shape: backend}, ``skipped`` {shape:
+        {backend: reason}}, ``errors`` (relative error against math in float32) and ``left_alone``."""
+        backend = self.mode if self.mode not in ("auto", "default") and not self.left_alone else self._last_backend
+        return {
+            "mode": self.mode,
+            "backend": None if self.left_alone or self.mode == "default" else backend,
+            "timings_ms": {label: dict(m.timings_ms) for label, m in self._labels.items()},
+            "chosen": {label: m.chosen for label, m in self._labels.items()},
+            "skipped": {label: dict(m.skipped) for label, m in self._labels.items() if m.skipped},
+            "errors": {label: dict(m.errors) for label, m in self._labels.items() if m.errors},
+            "left_alone": self.left_alone,
+        }
