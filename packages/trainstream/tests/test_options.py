@@ -96,10 +96,11 @@ def test_run_that_cannot_fit_in_host_ram_is_refused(monkeypatch):
     assert model._trainstream_session.moment_dtype == torch.bfloat16
 
 
-def test_stepping_an_unwrapped_offload_adamw_explains():
-    opt = trainstream.OffloadAdamW(tiny_llama().parameters())
-    with pytest.raises(RuntimeError, match=r"call trainstream\.wrap"):
-        opt.step()
+def test_an_unwrapped_offload_adamw_steps_on_its_own():
+    # Issue 19: OffloadAdamW is a complete optimizer without wrap() (test_offload_adamw_standalone.py).
+    model = tiny_llama()
+    opt = trainstream.OffloadAdamW(model.parameters())
+    assert opt.step() is None and not opt.state  # no gradients yet: nothing to do
 
 
 def test_offload_adamw_settings_are_wraps_defaults():

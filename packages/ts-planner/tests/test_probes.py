@@ -84,3 +84,15 @@ def test_profile_honours_the_cgroup_memory_limit(tmp_path, monkeypatch):
 def test_probe_thread_counts_are_bounded(threads):
     with pytest.raises(ValueError, match=f"1 to {_core.max_host_threads()}"):
         ts_planner.measure_host_bandwidth(threads=threads)
+
+
+def test_profile_threads_are_checked_and_cached_apart(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=f"1 to {_core.max_host_threads()}"):
+        ts_planner.profile_hardware(threads=0)
+    assert not list(tmp_path.glob("hardware-*.json"))  # refused before anything was measured
+    one = ts_planner.profile_hardware(threads=1)
+    ts_planner.profile_hardware()
+    names = sorted(p.name for p in tmp_path.glob("hardware-*.json"))
+    assert len(names) == 2 and any(n.endswith("-t1.json") for n in names)
+    assert one.host_copy_gbps > 0

@@ -5,6 +5,7 @@
 
 from ts_pinned import reserve_pinned
 
+from ._hardware import HardwareProfile, profile_hardware
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
 from ._report import memory_report, pinned_stats
@@ -15,6 +16,7 @@ from .memory import ActivationOffloader, find_blocks, quantize_model
 
 __all__ = [
     "ActivationOffloader",
+    "HardwareProfile",
     "OffloadAdamW",
     "TrainStreamSession",
     "causal_lm_loss",
@@ -23,6 +25,7 @@ __all__ = [
     "find_blocks",
     "memory_report",
     "pinned_stats",
+    "profile_hardware",
     "quantize_model",
     "reserve_pinned",
     "sequence_logprobs",

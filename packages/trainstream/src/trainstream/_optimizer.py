@@ -1,13 +1,15 @@
-"""OffloadAdamW: a torch optimizer whose state lives wherever the engine put it."""
+"""OffloadAdamW: a torch optimizer whose state lives in host memory, on its own or run by the engine."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 
 import torch
 
-from .engine import SlotState, interrupts
+from ._standalone import HostSteps
+from .engine import SlotState, interrupts, transfer_stats
 
 __all__ = ["OffloadAdamW"]
 
@@ -33,19 +35,22 @@ def check_hyper(values: dict, where: str) -> None:
 
 
 class OffloadAdamW(torch.optim.Optimizer):
-    """AdamW with fp32 master weights and moments outside the model's memory.
+    """AdamW with fp32 master weights and moments in host memory.
 
-    Construct it directly or let ``wrap()`` convert a ``torch.optim.AdamW`` /
-    ``Adam``; either way ``wrap()`` attaches the engine that owns the state.
-    ``param_groups`` stay editable (schedulers work): each update reads its
-    group's hyper-parameters when its gradient arrives. ``state_dict()`` is in
-    ``torch.optim.AdamW``'s format plus ``master_param`` (fp32) per parameter.
-    After ``unwrap()`` the state is kept in ``.state`` (that format), and a later
-    ``wrap()`` with this optimizer continues from it.
+    On its own it is a complete ``torch.optim.Optimizer``: ``step()`` copies the gradients to host
+    memory, runs AdamW on host threads (ts-adamw) and writes the new weights back on the current
+    stream; ``state_dict()`` is ``torch.optim.AdamW``'s format plus ``master_param`` (fp32) per
+    parameter; schedulers, ``add_param_group`` and any trainer's ``optimizers=`` work.
+    ``attach(model)`` (or ``trainstream.wrap(model, optimizer)``) adds the engine: gradients then
+    stream to host memory during backward and updates overlap it. ``unwrap()`` detaches it again,
+    leaving the state in ``.state``; either way training continues from the same state.
 
     ``mode`` (``"cpu"``, ``"gpu"``, ``"auto"``), ``max_grad_norm``, ``accumulation_steps`` and
     ``moment_dtype`` are the engine settings ``wrap()`` uses for this optimizer unless its own
-    options say otherwise.
+    options say otherwise. Without a model attached, updates run on host threads whatever ``mode``
+    says, ``max_grad_norm`` clips at ``step()``, gradients accumulate in ``.grad`` as torch's do
+    (``accumulation_steps`` is for the engine), and ``moment_dtype="bfloat16"`` keeps bf16 moments
+    (``"auto"``: float32).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -55,16 +60,70 @@ class OffloadAdamW(torch.optim.Optimizer):
         check_hyper({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}, "")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         self._session = None  # set by wrap()
-        super().__init__(params, defaults)
-        # Engine settings given here are wrap()'s defaults for this optimizer (wrap() validates them).
+        self._host = HostSteps()
+        # Engine settings given here are wrap()'s defaults for this optimizer, checked now.
         given = {"optimizer_mode": mode, "max_grad_norm": max_grad_norm,
                  "accumulation_steps": accumulation_steps, "moment_dtype": moment_dtype}
         self.wrap_options = {k: v for k, v in given.items() if v is not None}
+        _check_engine_settings(self.wrap_options)
+        super().__init__(params, defaults)
 
-    def _engine_or_raise(self):
+    @property
+    def attached(self) -> bool:
+        """True while a model's engine runs this optimizer's updates (after attach() / wrap())."""
+        return self._session is not None
+
+    def _steps(self) -> HostSteps:
+        host = getattr(self, "_host", None)  # absent after copy.deepcopy / pickling
+        if host is None:
+            host = self._host = HostSteps()
+        return host
+
+    def attach(self, model: torch.nn.Module, **options) -> torch.nn.Module:
+        """Adds the streaming engine for ``model`` (``trainstream.wrap(model, self, **options)``),
+        continuing from the state built so far; returns the model."""
+        from ._wrap import wrap  # _wrap imports this module
+
+        if self._session is not None:
+            raise ValueError("this OffloadAdamW is already attached to a model; trainstream.unwrap(model) first")
+        self._steps().synchronize()
+        model, _ = wrap(model, self, **options)
+        self._steps().forget()
+        return model
+
+    def synchronize(self) -> None:
+        """Waits until every update is applied and every new weight is in place."""
+        if self._session is not None:
+            self._session.synchronize()
+        else:
+            self._steps().synchronize()
+
+    def stats(self) -> dict:
+        """Counters for logging: ``attached``, ``steps``, ``step_seconds`` (inside ``step()``),
+        ``host_update_seconds`` (host AdamW; None while attached until the engine reports it),
+        ``d2h_bytes`` / ``h2d_bytes`` moved (while attached: the device's TrainStream streams),
+        ``last_grad_norm`` and ``placement`` (values whose state is on ``host``, ``device``, ``mapped``)."""
+        host = self._steps()
+        out = host.stats()
+        out["attached"] = self._session is not None
+        out["step_seconds"] = host.step_seconds + getattr(self, "_attached_seconds", 0.0)
         if self._session is None:
-            raise RuntimeError("this OffloadAdamW is not attached to a model; call trainstream.wrap(model, optimizer) first")
-        return self._session
+            values = sum(p.numel() for p in self.state if self.state[p])
+            out["placement"] = {"host": values} if values else {}
+            return out
+        session = self._session
+        out["steps"] = host.steps + session.steps
+        engine_seconds = getattr(session.engine.host, "busy_seconds", None)
+        out["host_update_seconds"] = None if engine_seconds is None else host.host_seconds + engine_seconds
+        moved = transfer_stats(session.device)
+        out["d2h_bytes"] = host.d2h_bytes + moved["d2h_bytes"]
+        out["h2d_bytes"] = host.h2d_bytes + moved["h2d_bytes"]
+        out["last_grad_norm"] = session.engine.last_grad_norm
+        placement: dict[str, int] = {}
+        for slot in session.engine.active:
+            placement[slot.placement] = placement.get(slot.placement, 0) + slot.numel
+        out["placement"] = placement
+        return out
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_session", None) is not None:
@@ -74,28 +133,40 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def step(self, closure=None):
-        """Queues the updates whose gradients have arrived (see guard_params for what it waits for).
-        No torch.no_grad() here: the engine touches no tensor autograd tracks, and a Ctrl-C inside
-        torch's context manager could leave gradients off for the rest of the program."""
-        session = self._engine_or_raise()
+        """Attached: queues the updates whose gradients have arrived (see guard_params for what it
+        waits for). On its own: one host AdamW step over every parameter with a gradient.
+        No torch.no_grad() around the attached path: the engine touches no tensor autograd tracks,
+        and a Ctrl-C inside torch's context manager could leave gradients off for the rest of the program."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        session = self._session
+        if session is None:
+            self._steps().step(self, check_hyper)
+            return loss
+        started = time.perf_counter()
         session.optimizer_step()
+        self._attached_seconds = getattr(self, "_attached_seconds", 0.0) + time.perf_counter() - started
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients already left the GPU; this drops any that wait for a step that never came."""
+        """Attached: gradients already left the GPU; this drops any that wait for a step that never came.
+        On its own: as torch's."""
         session = self._session
-        if session is not None:
-            session.engine.discard()
+        if session is None:
+            super().zero_grad(set_to_none)
+            return
+        session.engine.discard()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
 
     def state_dict(self) -> dict:
-        session = self._engine_or_raise()
+        session = self._session
+        if session is None:
+            self._steps().synchronize()
+            return super().state_dict()
         session.synchronize()
         state = {}
         for slot in session.engine.active:
@@ -115,7 +186,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Loads a state dict from OffloadAdamW or torch.optim.AdamW (fp32 masters then come from the
         current weights); the weights are rewritten from the masters. Everything is checked first:
         on any error nothing has changed."""
-        session = self._engine_or_raise()
+        session = self._session
+        if session is None:
+            self._steps().load(self, state_dict, _validated)
+            return
         groups, entries = _validated(self, state_dict, {s.index: s for s in session.engine.slots})
         session.synchronize()
         for slot in [slot for slot, _ in entries if slot.state is SlotState.DORMANT]:
@@ -129,6 +203,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             for slot, (step, exp_avg, exp_avg_sq, master) in entries:
                 slot.load(step, exp_avg, exp_avg_sq, master)
         session.synchronize()
+
+
+def _check_engine_settings(settings: dict) -> None:
+    """ValueError, at construction, for an engine setting wrap() would refuse (``mode`` is wrap()'s
+    ``optimizer_mode``)."""
+    from ._options import parse_options  # at call time: _options imports memory/, which imports the engine
+
+    try:
+        parse_options(dict(settings))
+    except ValueError as error:
+        raise ValueError(f"OffloadAdamW: {error}" + (" (the mode= argument)" if "optimizer_mode=" in str(error) else "")) \
+            from None
 
 
 def _validated(optimizer: OffloadAdamW, state_dict: dict, by_index: dict) -> tuple[list, list]:

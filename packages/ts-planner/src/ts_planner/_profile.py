@@ -40,7 +40,7 @@ class HardwareProfile:
     host_memory_source: str = "meminfo"
 
     def summary(self) -> str:
-        link = ("no GPU" if self.link_h2d_gbps is None else
+        link = ("no host-GPU link" if self.link_h2d_gbps is None else
                 f"link {self.link_h2d_gbps:.1f} GB/s host->GPU, {self.link_d2h_gbps:.1f} GB/s GPU->host, "
                 f"{self.link_both_gbps:.1f} GB/s both at once")
         gpu = f"{self.gpu} ({self.vram_bytes / 2**30:.1f} GiB)" if self.gpu else "no GPU"
@@ -49,12 +49,16 @@ class HardwareProfile:
                 f"({self.host_available_bytes / 2**30:.1f} available{limit}), host copy {self.host_copy_gbps:.1f} GB/s; {link}")
 
 
-def measure_host_bandwidth(bytes: int = 256 << 20, threads: int | None = None, repeats: int = 3) -> float:
-    """Host memory copy rate in GB/s (bytes read + written) with the host pool's threads."""
+def _check_threads(threads) -> None:
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
                                 or threads > _core.max_host_threads()):
         raise ValueError(f"threads={threads!r} is not valid; use None (the whole host pool) or an integer from 1 "
                          f"to {_core.max_host_threads()} (4 x the {_core.usable_cores()} cores this process may use)")
+
+
+def measure_host_bandwidth(bytes: int = 256 << 20, threads: int | None = None, repeats: int = 3) -> float:
+    """Host memory copy rate in GB/s (bytes read + written) with the host pool's threads."""
+    _check_threads(threads)
     return _core.host_copy_gbps(int(bytes), threads or 0, int(repeats))
 
 
@@ -72,12 +76,15 @@ def _cache_path(key: str) -> pathlib.Path:
     return root / f"hardware-{key}.json"
 
 
-def profile_hardware(device: torch.device | int | None = None, quick: bool = True, force: bool = False) -> HardwareProfile:
+def profile_hardware(device: torch.device | int | None = None, quick: bool = True, force: bool = False,
+                     threads: int | None = None) -> HardwareProfile:
     """Measures this machine (or loads the cached measurement; ``force`` re-measures).
 
-    ``quick`` uses 64 MiB transfers instead of 512 MiB. The cache lives in TRAINSTREAM_CACHE_DIR
-    (default ``~/.cache/trainstream``), keyed by GPU, core count and RAM size.
+    ``quick`` uses 64 MiB transfers instead of 512 MiB; ``threads`` caps the host threads of the
+    host copy probe (None: the whole host pool). The cache lives in TRAINSTREAM_CACHE_DIR (default
+    ``~/.cache/trainstream``), keyed by GPU, core count, RAM size, ``quick`` and ``threads``.
     """
+    _check_threads(threads)  # before anything is measured or read
     info = _core.host_memory()
     gpu, vram = None, 0
     if torch.cuda.is_available():
@@ -86,7 +93,8 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
         props = torch.cuda.get_device_properties(index)
         gpu, vram = props.name, props.total_memory
     cores = _core.host_threads()
-    key = "-".join(str(x) for x in (gpu or "cpu", cores, info["total"] >> 30, "q" if quick else "f"))
+    parts = [gpu or "cpu", cores, info["total"] >> 30, "q" if quick else "f"] + ([f"t{threads}"] if threads else [])
+    key = "-".join(str(x) for x in parts)
     key = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
     path = _cache_path(key)
     if path.exists() and not force:
@@ -101,7 +109,7 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
         gpu=gpu, vram_bytes=vram, host_cores=cores, host_ram_bytes=info["total"],
         host_available_bytes=info["available"], host_memory_source=info["source"],
         memlock_limit=None if soft == resource.RLIM_INFINITY else int(soft),
-        host_copy_gbps=measure_host_bandwidth(size),
+        host_copy_gbps=measure_host_bandwidth(size, threads),
         link_h2d_gbps=link["h2d_gbps"], link_d2h_gbps=link["d2h_gbps"], link_both_gbps=link["both_gbps"],
     )
     try:

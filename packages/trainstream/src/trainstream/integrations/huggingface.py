@@ -1,4 +1,5 @@
-"""Hugging Face integration: TrainStreamTrainer, wrap_hf and per-sequence log-probs of a causal LM.
+"""Hugging Face integration: TrainStreamTrainer, TrainStreamCallback, wrap_hf, decoder_layers and
+per-sequence log-probs of a causal LM.
 
 Needs ``transformers`` (``pip install 'trainstream[hf]'``). The losses here run the decoder for its
 last hidden states and apply the output projection chunk by chunk, so the [tokens, vocab] logits
@@ -14,15 +15,16 @@ from typing import Any
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'") from error
 
-from .. import OffloadAdamW, causal_lm_loss, sequence_logprobs, wrap
+from .. import OffloadAdamW, causal_lm_loss, find_blocks, sequence_logprobs, wrap
+from .._options import parse_options
 from .hf_loading import load_model
 
-__all__ = ["TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "load_model", "reference_logprobs",
-           "wrap_hf"]
+__all__ = ["TrainStreamCallback", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head", "decoder_layers",
+           "load_model", "reference_logprobs", "wrap_hf"]
 
 # Config fields that change logits after the projection: the chunked loss cannot reproduce them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -31,8 +33,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """(decoder returning last hidden states, output projection) of a causal LM, through PEFT and
     Accelerate wrappers; None when the model's logits are not a plain projection of them."""
-    base = model.module if hasattr(model, "module") else model
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    base = _base(model)
     get_decoder = getattr(base, "get_decoder", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     config = getattr(base, "config", None)
@@ -43,13 +44,36 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return get_decoder(), head
 
 
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    base = model.module if hasattr(model, "module") else model
+    return base.get_base_model() if hasattr(base, "get_base_model") else base
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's repeated layers (``model.model.layers`` of a Llama), through PEFT and Accelerate
+    wrappers: the blocks ``wrap_hf`` gives ``wrap()``. Models without ``get_decoder().layers`` fall back
+    to ``find_blocks(model)``; ``[]`` when there are none."""
+    base = _base(model)
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = getattr(decoder, "layers", None) if decoder is not None else None
+    if isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)) and len(layers) > 0:
+        return list(layers)
+    return find_blocks(model)
+
+
 def _hidden(decoder: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     out = decoder(**{k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}, use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def wrap_hf(model: torch.nn.Module, optimizer=None, **options):
-    """``trainstream.wrap`` for a Hugging Face model (PEFT models included); returns ``(model, optimizer)``."""
+    """``trainstream.wrap`` for a Hugging Face model (PEFT models included), with ``blocks`` preset to
+    ``decoder_layers(model)``; returns ``(model, optimizer)``."""
+    if options.get("blocks") is None:
+        layers = decoder_layers(model)
+        if layers:
+            options["blocks"] = layers
     if hasattr(model, "config") and getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # a KV cache during training only costs memory
     return wrap(model, optimizer, **options)
@@ -118,6 +142,11 @@ class TrainStreamTrainer(Trainer):
         for name in ("max_grad_norm", "accumulation_steps"):
             if name in options:
                 raise ValueError(f"trainstream={{'{name}': ...}} comes from TrainingArguments here; set it there")
+        try:
+            parse_options(dict(options))  # every key checked now, not at the first training step
+        except ValueError as error:
+            raise ValueError(f"trainstream={{...}}: {error}; it also takes 'chunked_loss' and 'loss_chunk_size'") \
+                from None
         self._ts_options = options
         # The Trainer's clipping is switched off below on a copy: the caller may reuse its arguments
         # with a stock Trainer, which must still clip. Shallow: only scalar fields change here.
@@ -132,7 +161,8 @@ class TrainStreamTrainer(Trainer):
             raise ValueError(f"TrainStreamTrainer needs an Adam/AdamW optim, not {self.args.optim!r}")
 
     def create_optimizer(self, model=None):
-        if not isinstance(self.optimizer, OffloadAdamW):
+        # An OffloadAdamW given through optimizers= is attached here too, unless it already is.
+        if not (isinstance(self.optimizer, OffloadAdamW) and self.optimizer.attached):
             if self.optimizer is None:
                 super().create_optimizer(model)  # torch's AdamW with the Trainer's groups; wrap() converts it
             norm = self.args.max_grad_norm
@@ -152,3 +182,49 @@ class TrainStreamTrainer(Trainer):
         decoder, head = parts
         return causal_lm_loss(_hidden(decoder, inputs), head.weight, inputs["labels"], head.bias,
                               chunk_size=self._ts_chunk, num_items=num_items_in_batch)
+
+
+class TrainStreamCallback(TrainerCallback):
+    """For a stock ``transformers.Trainer`` given an ``OffloadAdamW`` (``optimizers=(opt, None)``), attached
+    or not: at each log step, adds TrainStream's metrics since the previous log to the logs and the
+    log history, and prints them on the main process (``verbose=False``: only records them).
+
+    Keys: ``trainstream/step_s`` and ``trainstream/host_update_s`` (mean seconds per step inside
+    ``optimizer.step()`` and in host AdamW; the latter only where it is measured), ``trainstream/d2h_GB``
+    and ``trainstream/h2d_GB`` (moved), ``trainstream/host_state_fraction`` (share of the optimizer
+    state's values in host memory) and ``trainstream/grad_norm`` when TrainStream clips.
+    """
+
+    def __init__(self, optimizer: OffloadAdamW, *, verbose: bool = True):
+        if not isinstance(optimizer, OffloadAdamW):
+            raise ValueError(f"TrainStreamCallback takes the trainstream.OffloadAdamW given to the Trainer, not "
+                             f"{type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.verbose = verbose
+        self._last = optimizer.stats()
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics since the previous call."""
+        now, last = self.optimizer.stats(), self._last
+        self._last = now
+        steps = max(1, now["steps"] - last["steps"])
+        out = {"trainstream/step_s": (now["step_seconds"] - last["step_seconds"]) / steps,
+               "trainstream/d2h_GB": (now["d2h_bytes"] - last["d2h_bytes"]) / 1e9,
+               "trainstream/h2d_GB": (now["h2d_bytes"] - last["h2d_bytes"]) / 1e9}
+        if now["host_update_seconds"] is not None and last["host_update_seconds"] is not None:
+            out["trainstream/host_update_s"] = (now["host_update_seconds"] - last["host_update_seconds"]) / steps
+        total = sum(now["placement"].values())
+        if total:
+            out["trainstream/host_state_fraction"] = now["placement"].get("host", 0) / total
+        if now["last_grad_norm"] is not None:
+            out["trainstream/grad_norm"] = float(now["last_grad_norm"])
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        values = self.metrics()
+        if logs is not None:
+            logs.update(values)
+        if state.log_history:
+            state.log_history[-1].update(values)  # the entry the Trainer just appended for these logs
+        if self.verbose and state.is_world_process_zero:
+            print(" ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)

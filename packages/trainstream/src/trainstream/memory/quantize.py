@@ -8,7 +8,8 @@ trainable ones, LoRA adapters included, stay as they are.
 from __future__ import annotations
 
 import torch
-from ts_quant import FORMATS, QuantLinear
+import ts_pinned
+from ts_quant import FORMATS, QuantizedTensor, QuantLinear
 
 from .blocks import find_blocks
 
@@ -68,26 +69,33 @@ def size_estimates(total: int, weights: list[torch.Tensor]) -> list[tuple[str | 
 
 
 def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: list[torch.nn.Module] | None = None,
-                   block_size: int | None = None, _replaced: list | None = None) -> dict:
+                   block_size: int | None = None, pin_budget: int | None = None,
+                   _replaced: list | None = None) -> dict:
     """Replaces each frozen ``nn.Linear`` of the repeated blocks by a ``ts_quant.QuantLinear`` holding its
     weight in ``quantize`` (``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"``), on the weight's device.
 
     ``blocks``: the modules to search (default ``find_blocks(model)``: embeddings and the output layer
     are never quantized). ``block_size``: values per scale (the format's default when None).
-    Returns ``{"tensors", "bytes_before", "bytes_after"}``. Freeze the base (or add adapters) first.
+    ``pin_budget``: bytes of quantized weights held on the CPU to place in page-locked memory (the
+    ts-pinned arena, tag ``"weights"``), the earliest blocks first, so they upload asynchronously;
+    None (default) pins nothing.
+    Returns ``{"tensors", "bytes_before", "bytes_after"}``, plus ``"pinned_bytes"`` when ``pin_budget``
+    is given. Freeze the base (or add adapters) first.
     All or nothing: if one layer fails, the layers already replaced are put back.
     (``_replaced``, internal: receives each ``(parent, name, original)`` swapped, for wrap()'s undo.)
     """
     fmt = check_quantize(quantize, allow_auto=False)
     if fmt is None:
         raise ValueError("quantize_model needs a format: 'int8', 'nf4', 'fp8' or 'nvfp4'")
+    if pin_budget is not None and (isinstance(pin_budget, bool) or not isinstance(pin_budget, int) or pin_budget < 0):
+        raise ValueError(f"pin_budget={pin_budget!r} is not valid; use None (pin nothing) or bytes >= 0")
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if not blocks:
         raise ValueError("quantize_model found no repeated blocks in this model; pass blocks=[...]")
     targets = list(block_linears(blocks))
     if not targets and any(p.requires_grad for b in blocks for p in b.parameters()):
         raise ValueError("the blocks' linear weights are all trainable: freeze the base (or add adapters) first")
-    before = after = 0
+    before = after = pinned = 0
     replaced = []
     try:
         with torch.no_grad():
@@ -95,6 +103,10 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
                 layer = QuantLinear.from_linear(linear, fmt, block_size)
                 before += linear.weight.numel() * linear.weight.element_size()
                 after += layer.qweight.nbytes
+                if pin_budget is not None and layer.qweight.device.type == "cpu" and \
+                        pinned + layer.qweight.nbytes <= pin_budget:
+                    layer.qweight = _page_locked(layer.qweight)
+                    pinned += layer.qweight.nbytes
                 setattr(parent, name, layer)
                 replaced.append((parent, name, linear))
     except BaseException:
@@ -103,4 +115,17 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
         raise
     if _replaced is not None:
         _replaced.extend(replaced)
-    return {"tensors": len(targets), "bytes_before": before, "bytes_after": after}
+    result = {"tensors": len(targets), "bytes_before": before, "bytes_after": after}
+    if pin_budget is not None:
+        result["pinned_bytes"] = pinned
+    return result
+
+
+def _page_locked(qweight: QuantizedTensor) -> QuantizedTensor:
+    """The same codes and scales, copied into the page-locked arena (pageable without a GPU driver)."""
+    state = qweight.to_state_dict()
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            copy = ts_pinned.empty(value.shape, value.dtype, tag="weights", allow_pageable=True)
+            state[key] = copy.copy_(value)
+    return QuantizedTensor.from_state_dict(state)
