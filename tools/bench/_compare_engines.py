@@ -271,11 +271,13 @@ def trainstream_report(model) -> dict:
 def activation_link_bytes(activations: dict | None, iterations: int) -> tuple[float, float]:
     """Saved-activation bytes paged per training iteration (device->host, host->device), from
     memory_report()["activations"]: its cumulative "paging" counters (d2h_bytes, h2d_bytes) over the
-    `iterations` run, else block_bytes summed over offloaded_blocks, both ways. (0, 0) without either."""
+    `iterations` run, else (and for a tuned policy) block_bytes summed over offloaded_blocks, both ways.
+    (0, 0) without either."""
     if not activations:
         return 0.0, 0.0
     paging = activations.get("paging") or {}
-    if iterations and isinstance(paging.get("d2h_bytes"), (int, float)):
+    # A tuned policy paged differently while it probed and tried: count the settled one.
+    if iterations and isinstance(paging.get("d2h_bytes"), (int, float)) and "tuning" not in activations:
         return paging["d2h_bytes"] / iterations, (paging.get("h2d_bytes") or 0) / iterations
     blocks = activations.get("offloaded_blocks") or []
     per_block = activations.get("block_bytes")

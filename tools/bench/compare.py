@@ -26,7 +26,8 @@ unknown ones and the engine reports the error as its outcome.
 Lower bound beside each trainstream row: max(gpu, link, host), each measured in the same call.
   gpu   forward+backward time of the stock path; 0 ("not measured" on the terms line) when no such
         engine ran in the call
-  link  max(device->host, host->device) bytes per step / the pinned link rate measured at the end
+  link  bytes per step / the pinned link rate measured at the end: max(device->host, host->device),
+        plus the activation pages sent out during forward (they cannot overlap backward's traffic)
   host  host-placed trained values / the ts-adamw rate measured at the end (fp32 moments)
 Per scenario:
   full1.5b, full1.5b_2k, tiny: gpu from stock-bf16 or stock-bf16-uncapped (no fp32 master: a floor);
@@ -235,10 +236,14 @@ def _lower_bound(r: dict, gpu: tuple[str, float] | None, link: float, adamw_rate
     per_value = r.get("trainable_bytes_per_value") or 2
     paged_down, paged_up = engines.activation_link_bytes(r.get("activations"), len(r.get("steps_s") or []))
     streamed = (r.get("weights") or {}).get("load_bytes") or 0
-    down = host_values * per_value + mapped_values * 12 + paged_down  # gradients (and pages) leave the GPU
-    up = host_values * per_value + mapped_values * 12 + paged_up + streamed  # weights (and pages) come back
+    down = host_values * per_value + mapped_values * 12  # gradients leave the GPU in backward
+    up = host_values * per_value + mapped_values * 12 + streamed  # weights come back
+    # Pages leave during forward and come back during backward: the two phases follow each other,
+    # so page-outs add to the rest; page-ins share backward with the gradients (the other direction).
+    link_s = (paged_down + max(down, up + paged_up)) / link
+    down, up = down + paged_down, up + paged_up
     terms = {"gpu_fwd_bwd": gpu[1] if gpu else None, "gpu_from": gpu[0] if gpu else None,
-             "link": max(down, up) / link, "host_adamw": host_values / adamw_rate,
+             "link": link_s, "host_adamw": host_values / adamw_rate,
              "link_bytes_down": down, "link_bytes_up": up}
     r["lower_bound_s"] = max(terms["gpu_fwd_bwd"] or 0.0, terms["link"], terms["host_adamw"])
     r["lower_bound_terms"] = terms

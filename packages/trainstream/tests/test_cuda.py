@@ -264,7 +264,9 @@ def test_paging_and_recompute_are_bit_exact_on_cuda(dtype, policy):
     try:
         data = batches(4, vocab=4096, batch=4, seq=512)  # activations well above the other allocations
         runs = {}
-        for name, options in (("keep", {}), ("policy", {**policy, "min_offload_bytes": 0})):
+        for name, options in (("keep", {"activation_offload": False, "recompute": False}),
+                              ("policy", {"recompute": False, "activation_offload": False, **policy,
+                                          "min_offload_bytes": 0})):
             model, opt = trainstream.wrap(_eager_llama(dtype=dtype), lr=1e-3, offload=True, **options)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -293,3 +295,58 @@ def test_paged_activations_leave_no_page_behind_on_cuda():
     model._trainstream_session.activations.offloader.synchronize()
     assert ts_pinned.pinned_stats()["by_tag"].get("activations", 0) == 0
     trainstream.unwrap(model)
+
+
+def test_paged_pages_land_in_memory_no_queued_kernel_still_uses():
+    """Many steps of a deep bf16 model, every block paged two ahead: pages come back while
+    backward's kernels are queued, into memory the allocator just reused (before the fix, pages
+    were allocated on the compute stream and filled from the H2D stream: NaN at 4 x 2048)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        data = batches(8, vocab=4096, batch=8, seq=512)
+        runs = {}
+        for name, options in (("keep", {"activation_offload": False}),
+                              ("paged", {"activation_offload": True, "prefetch_depth": 2, "min_offload_bytes": 0})):
+            model, opt = trainstream.wrap(_eager_llama(layers=8, dtype=torch.bfloat16), lr=1e-3, offload=True,
+                                          recompute=False, **options)
+            runs[name] = (_train(model, opt, data), [p.detach().clone() for p in model.parameters()])
+            trainstream.unwrap(model)
+        assert runs["paged"][0] == runs["keep"][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs["paged"][1], runs["keep"][1]))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_auto_fits_a_capped_gpu_and_trains_exactly_like_keeping():
+    """Activations larger than the VRAM left: 'auto' probes, tries, settles, never runs out of
+    memory, and the numbers equal the uncapped run's bit for bit."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        data = batches(7, vocab=4096, batch=8, seq=512)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        model, opt = trainstream.wrap(_eager_llama(layers=8, dtype=torch.bfloat16), lr=1e-3, offload=True,
+                                      activation_offload=False, recompute=False)
+        base = torch.cuda.memory_allocated() - start
+        keep = _train(model, opt, data)
+        keep_params = [p.detach().clone() for p in model.parameters()]
+        activations = torch.cuda.max_memory_allocated() - start - base
+        trainstream.unwrap(model)
+        del model, opt
+        torch.cuda.empty_cache()
+        # A budget (after the 10 % headroom) of the weights plus 40 % of the activations.
+        cap = (torch.cuda.memory_allocated() + base + 0.4 * activations) / 0.9
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        model, opt = trainstream.wrap(_eager_llama(layers=8, dtype=torch.bfloat16), lr=1e-3, offload=True)
+        losses = _train(model, opt, data)
+        report = trainstream.memory_report(model)["activations"]
+        assert report["tuning"]["phase"] == "settled", report["tuning"]
+        assert report["policy"].count("keep") < 8
+        assert losses == keep
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), keep_params))
+        trainstream.unwrap(model)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.use_deterministic_algorithms(False)

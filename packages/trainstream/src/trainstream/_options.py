@@ -40,8 +40,8 @@ class WrapOptions:
     verbose: bool = False
     quantize: str | None = "auto"
     guard_params: bool = True
-    activation_offload: Any = False
-    recompute: Any = False
+    activation_offload: Any = "auto"
+    recompute: Any = "auto"
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20

@@ -111,7 +111,8 @@ class TrainStreamSession:
             for slot in trained:
                 self.engine.activate(slot)
             self.guard = ForwardGuard(model, self.engine)
-            self.activations = ActivationPolicy(model, options, device, self.arena, self.events)
+            self.activations = ActivationPolicy(model, options, device, self.arena, self.events,
+                                                reserved_link_bytes=self._upload_bytes_per_step)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
             self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
             self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
@@ -130,6 +131,10 @@ class TrainStreamSession:
         self.adapting = on_gpu and (options.offload == "auto" or mode == "auto")
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
             self.events.add("plan", "no CUDA device: the optimizer stays on host threads")
+
+    def _upload_bytes_per_step(self) -> int:
+        """Host->device bytes the host updates upload each step (the weights of host-placed slots)."""
+        return sum(s.param.numel() * s.param.element_size() for s in self.engine.active if s.placement == "host")
 
     def _model_hook(self, register, fn) -> None:
         hook = EngineHook(fn)
@@ -150,10 +155,13 @@ class TrainStreamSession:
 
     def optimizer_step(self) -> None:
         interrupts.ensure()
+        # The optimizer's placement adapts to the VRAM the settled activation policy leaves.
+        settled = self.activations.settled
+        self.activations.step_finished()
         self.engine.step()
         self.activations.sweep()
         self.steps += 1
-        if self.adapting:
+        if self.adapting and settled:
             self._adapt()
 
     def synchronize(self) -> None:

@@ -3,6 +3,7 @@
 ``wrap(activation_offload=..., recompute=...)`` each name a set of blocks (``True``: all, ``False``:
 none, a fraction: that share of the blocks, the earliest first (backward reaches them last, so their
 pages have the longest to come back), or a list of block indices); a block cannot be in both.
+``'auto'`` (the default of both) lets measurement decide (``autotune.py``, rules in ``tuner.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import numbers
 
 import torch
 
+from ..engine.hooks import EngineHook
+from .autotune import ActivationTuner, CudaMeter, Meter
 from .blocks import find_blocks
 from .offload import ActivationOffloader
 from .recompute import Recompute, uses_hf_checkpointing
+from .tuner import Choice
 
 __all__ = ["ActivationPolicy", "check_block_choice"]
 
@@ -23,16 +27,15 @@ def check_block_choice(name: str, value):
     if isinstance(value, bool) or value is None:
         return bool(value)
     if value == "auto":
-        raise ValueError(f"{name}='auto' is not available yet (the measuring planner is being built); use True, "
-                         f"False, a fraction in [0, 1] or a list of block indices")
+        return "auto"
     if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
         if 0.0 <= value <= 1.0:
             return float(value)
     elif isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                   for i in value) and len(set(value)) == len(value):
         return list(value)
-    raise ValueError(f"{name}={value!r} is not valid; use True, False, a fraction in [0, 1] or a list of distinct "
-                     f"block indices >= 0")
+    raise ValueError(f"{name}={value!r} is not valid; use 'auto', True, False, a fraction in [0, 1] or a list of "
+                     f"distinct block indices >= 0")
 
 
 def _blocks_of(name: str, value, count: int) -> list[int]:
@@ -49,51 +52,156 @@ def _blocks_of(name: str, value, count: int) -> list[int]:
 
 
 class ActivationPolicy:
-    """Applies the policy to the model's blocks; ``remove()`` undoes it; ``report()`` describes it."""
+    """Applies the policy to the model's blocks; ``remove()`` undoes it; ``report()`` describes it.
 
-    def __init__(self, model: torch.nn.Module, options, device: torch.device, arena, events):
+    Owns the Recompute wrappers and the ActivationOffloader; with ``'auto'`` also the tuner, whose
+    settings it applies between steps (``step_finished()``), never inside one.
+    """
+
+    def __init__(self, model: torch.nn.Module, options, device: torch.device, arena, events, *,
+                 meter: Meter | None = None, reserved_link_bytes=lambda: 0):
         self.blocks = list(options.blocks) if options.blocks is not None else find_blocks(model)
         offload, recompute = options.activation_offload, options.recompute
+        n = len(self.blocks)
+        self._events = events
+        self.reserved_link_bytes = reserved_link_bytes
+        self._headroom = options.vram_headroom
+        self.tuner: ActivationTuner | None = None
+        self._recompute: dict[int, Recompute] = {}
+        self.offloader = None
+        self._config, self._use_cache = getattr(model, "config", None), None
+        self._handles, self._hooks = [], []
+        self.asked = f"activation_offload={offload!r}, recompute={recompute!r}"
+        auto = "auto" in (offload, recompute)
+        if auto:
+            offload, recompute = self._resolve_auto(model, offload, recompute, device, meter)
         wanted = offload is not False or recompute is not False
         if wanted and not self.blocks:
             raise ValueError("activation_offload= / recompute= need the model's repeated blocks, and find_blocks() "
                              "found none: pass blocks=[...]")
-        n = len(self.blocks)
-        self.offloaded = _blocks_of("activation_offload", offload, n)
-        self.recomputed = _blocks_of("recompute", recompute, n)
-        both = sorted(set(self.offloaded) & set(self.recomputed))
-        if both:
-            raise ValueError(f"blocks {both} are asked both to page their activations and to recompute them; "
-                             f"give each block one policy")
         if wanted and uses_hf_checkpointing(model, self.blocks):
             raise ValueError("the model has Hugging Face gradient checkpointing on (gradient_checkpointing_enable()) "
                              "and trainstream was asked to page or recompute activations too; use one: "
                              "model.gradient_checkpointing_disable(), or leave activation_offload/recompute False")
-        self._recompute: list[Recompute] = []
-        self.offloader = None
-        self._config, self._use_cache = getattr(model, "config", None), None
-        self._events = events
+        tuned = self.tuner is not None
+        self.offloaded = [] if tuned else _blocks_of("activation_offload", offload, n)
+        self.recomputed = [] if tuned else _blocks_of("recompute", recompute, n)
+        both = sorted(set(self.offloaded) & set(self.recomputed))
+        if both:
+            raise ValueError(f"blocks {both} are asked both to page their activations and to recompute them; "
+                             f"give each block one policy")
         try:
-            if self.recomputed and getattr(self._config, "use_cache", False) is True:
+            may_recompute = range(n) if tuned and self.tuner.recompute else self.recomputed
+            if may_recompute and getattr(self._config, "use_cache", False) is True:
                 # A recomputed layer would append its keys and values to the cache a second time.
                 self._use_cache, self._config.use_cache = True, False
                 events.add("activations", "recompute: the model's KV cache is off while wrapped (use_cache=False), "
                                           "as Hugging Face does for gradient checkpointing")
-            for i in self.recomputed:
-                self._recompute.append(Recompute(self.blocks[i]).install())
-            if self.offloaded:
+            for i in may_recompute:
+                self._recompute[i] = Recompute(self.blocks[i]).install()
+                self._recompute[i].enabled = i in self.recomputed
+            if tuned:
+                self._probe_hooks(model)
+            candidates = list(range(n)) if tuned and self.tuner.page else ([0] if tuned else self.offloaded)
+            if candidates:
                 self.offloader = ActivationOffloader(self.blocks, self.offloaded, device=device,
                                                      prefetch_depth=options.prefetch_depth,
                                                      max_inflight_bytes=options.max_inflight_bytes,
-                                                     min_bytes=options.min_offload_bytes, arena=arena).attach()
+                                                     min_bytes=options.min_offload_bytes, arena=arena,
+                                                     candidates=candidates).attach()
         except BaseException:
             self.remove()
             raise
-        self.decision = (f"{len(self.offloaded)} of {n} blocks page their activations to host memory, "
-                         f"{len(self.recomputed)} recompute them, {n - len(self.offloaded) - len(self.recomputed)} "
-                         f"keep them in VRAM (as asked: activation_offload={offload!r}, recompute={recompute!r})")
-        if wanted:
-            events.add("activations", self.decision)
+        if tuned:
+            self.decision = "'auto': decided at the first forward (a probe of block 0)"
+        else:
+            self.decision = self._describe()
+            if wanted:
+                events.add("activations", self.decision)
+
+    # ---- 'auto' -------------------------------------------------------------------------
+
+    def _resolve_auto(self, model, offload, recompute, device, meter):
+        """Returns the explicit settings left after 'auto' (False for an 'auto' that cannot act),
+        creating the tuner when it can."""
+        explicit = [v for v in (offload, recompute) if v not in ("auto", False)]
+        why = None
+        if explicit:
+            why = "the other option names its blocks explicitly"
+        elif not self.blocks:
+            why = "find_blocks() found no repeated blocks (pass blocks=[...] to tune them)"
+        elif uses_hf_checkpointing(model, self.blocks):
+            why = "Hugging Face gradient checkpointing already recomputes the blocks"
+        meter = meter if meter is not None else (CudaMeter(device, self._headroom) if device.type == "cuda" else Meter())
+        if why is None and meter.budget() is None:
+            why = "the model trains on the CPU: nothing to save in VRAM"
+        if why is not None:
+            self._events.add("activations", f"'auto' keeps every block's activations: {why}")
+            return (False if offload == "auto" else offload), (False if recompute == "auto" else recompute)
+        self.tuner = ActivationTuner(len(self.blocks), meter, self._events, page=offload == "auto",
+                                     recompute=recompute == "auto", reserved_link_bytes=self._reserved_link)
+        return False, False
+
+    def _reserved_link(self) -> int:
+        return int(self.reserved_link_bytes())
+
+    def _probe_hooks(self, model) -> None:
+        def forward_started(_module, _args):
+            if torch.is_grad_enabled():
+                self.tuner.forward_started()
+
+        def probe_begin(_module, _args):
+            if self.tuner.phase == "probe" and torch.is_grad_enabled():
+                self.tuner.probe_begin()
+                if self.tuner.page:
+                    self.offloader.set_paged([0])
+                else:
+                    self.offloader.set_paged([], counted=[0])
+                if 0 in self._recompute:
+                    self._recompute[0].enabled = False
+
+        def probe_end(_module, _args, _output):
+            if self.tuner.phase == "probe" and torch.is_grad_enabled():
+                choice = self.tuner.probe_end(self.offloader.block_bytes[0])
+                self._apply(choice, keep_block0=True)
+
+        for register, fn in ((model.register_forward_pre_hook, forward_started),
+                             (self.blocks[0].register_forward_pre_hook, probe_begin),
+                             (self.blocks[0].register_forward_hook, probe_end)):
+            hook = EngineHook(fn)
+            self._hooks.append(hook)
+            self._handles.append(register(hook))
+
+    def _apply(self, choice: Choice, keep_block0: bool = False) -> None:
+        """Puts a setting in place (between steps, or for the blocks after 0 during the probe)."""
+        paged, recomputed = list(choice.paged), list(choice.recomputed)
+        if self.offloader is not None:
+            if keep_block0 and self.offloader.paged == [0]:
+                self.offloader.set_paged(sorted(set(paged) | {0}))
+            else:
+                self.offloader.set_paged(paged if self.tuner.page else [])
+        for i, r in self._recompute.items():
+            r.enabled = i in recomputed and not (keep_block0 and i == 0)
+        self.offloaded, self.recomputed = paged, recomputed
+        self.decision = self._describe()
+
+    def step_finished(self) -> None:
+        """At each optimizer step, before the updates are issued: the tuner's next setting."""
+        if self.tuner is None:
+            return
+        choice = self.tuner.step_finished()
+        if choice is not None:
+            self._apply(choice)
+
+    @property
+    def settled(self) -> bool:
+        return self.tuner is None or self.tuner.settled
+
+    def _describe(self) -> str:
+        n = len(self.blocks)
+        return (f"{len(self.offloaded)} of {n} blocks page their activations to host memory, "
+                f"{len(self.recomputed)} recompute them, {n - len(self.offloaded) - len(self.recomputed)} "
+                f"keep them in VRAM ({'chosen by measurement' if self.tuner else 'as asked'}: {self.asked})")
 
     def policy(self) -> list[str]:
         kinds = ["keep"] * len(self.blocks)
@@ -121,9 +229,14 @@ class ActivationPolicy:
                                             f"activation pages (the most the last step held at once)")
 
     def remove(self) -> None:
-        for r in self._recompute:
+        for r in self._recompute.values():
             r.remove()
-        self._recompute = []
+        self._recompute = {}
+        for handle in self._handles:
+            handle.remove()
+        for hook in self._hooks:
+            hook.disable()
+        self._handles, self._hooks = [], []
         if self._use_cache is not None:
             self._config.use_cache, self._use_cache = self._use_cache, None
         if self.offloader is not None:
@@ -132,7 +245,12 @@ class ActivationPolicy:
 
     def report(self) -> dict:
         stats = self.offloader.stats() if self.offloader is not None else {}
-        return {"policy": self.policy(), "offloaded_blocks": list(self.offloaded),
-                "recompute_blocks": list(self.recomputed),
-                "block_bytes": list(self.offloader.block_bytes) if self.offloader else [0] * len(self.blocks),
-                "decision": self.decision, "paging": stats}
+        out = {"policy": self.policy(), "offloaded_blocks": list(self.offloaded),
+               "recompute_blocks": list(self.recomputed),
+               "block_bytes": list(self.offloader.block_bytes) if self.offloader else [0] * len(self.blocks),
+               "decision": self.decision, "paging": stats}
+        if self.tuner is not None:
+            out["tuning"] = {"phase": self.tuner.phase, "history": list(self.tuner.history),
+                             "trials": [{"policy": c.policy(len(self.blocks)), "seconds": t, "peak_bytes": p}
+                                        for c, t, p in self.tuner.trials]}
+        return out

@@ -32,6 +32,10 @@ from ..engine.slots import dense_layout_problem, flat
 __all__ = ["ActivationOffloader"]
 
 
+def _identity(t):
+    return t
+
+
 class Page:
     """One saved tensor in host memory (or kept as is when not worth moving)."""
 
@@ -61,9 +65,12 @@ class ActivationOffloader:
 
     def __init__(self, blocks: list[torch.nn.Module], paged, *, device: torch.device, prefetch_depth: int = 1,
                  max_inflight_bytes: int | None = None, min_bytes: int = 1 << 20,
-                 arena: ts_pinned.PinnedArena | None = None):
+                 arena: ts_pinned.PinnedArena | None = None, candidates=None):
         self.blocks = list(blocks)
         self.paged = sorted(set(paged))
+        # Blocks with hooks installed; set_paged() moves blocks among them between steps.
+        self.candidates = sorted(set(self.paged if candidates is None else candidates) | set(self.paged))
+        self.counted: set[int] = set()  # blocks whose saved bytes are measured but stay in VRAM
         self.device = torch.device(device)
         self.prefetch_depth = prefetch_depth
         self.max_inflight_bytes = (1 << 30) if max_inflight_bytes is None else max_inflight_bytes
@@ -84,8 +91,16 @@ class ActivationOffloader:
 
     # ---- installing ----------------------------------------------------------------
 
+    def set_paged(self, paged, counted=()) -> None:
+        """Between steps: which candidate blocks page (and which only count their saved bytes)."""
+        paged, counted = set(paged), set(counted)
+        unknown = sorted((paged | counted) - set(self.candidates))
+        if unknown:
+            raise ValueError(f"blocks {unknown} have no paging hooks (candidates: {self.candidates})")
+        self.paged, self.counted = sorted(paged), counted - paged
+
     def attach(self) -> ActivationOffloader:
-        for index in self.paged:
+        for index in self.candidates:
             block = self.blocks[index]
             for t in [*block.parameters(), *block.buffers()]:
                 self._own.add(t.untyped_storage().data_ptr())
@@ -106,12 +121,15 @@ class ActivationOffloader:
 
     def _enter(self, index: int):
         def enter(_module, _args):
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (index not in self.paged and index not in self.counted):
                 self._active.append(None)
                 return
             self.block_bytes[index] = 0
             self._pages[index] = [r for r in self._pages[index] if r() is not None]
-            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), self._unpack)
+            if index in self.counted:
+                hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._count(index, t), _identity)
+            else:
+                hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), self._unpack)
             hooks.__enter__()
             self._active.append(hooks)
 
@@ -128,6 +146,11 @@ class ActivationOffloader:
     def _worth_moving(self, t: torch.Tensor) -> bool:
         return (t.device == self.device and t.numel() * t.element_size() >= self.min_bytes
                 and dense_layout_problem(t) is None and t.untyped_storage().data_ptr() not in self._own)
+
+    def _count(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        if self._worth_moving(t):
+            self.block_bytes[index] += t.numel() * t.element_size()
+        return t
 
     def _pack(self, index: int, t: torch.Tensor) -> Page | torch.Tensor:
         if not self._worth_moving(t):
@@ -177,28 +200,35 @@ class ActivationOffloader:
             self._prefetch_after(page.block)
         self.channel.compute_wait(page.fetched_event)
         t, page.fetched = page.fetched, None
+        if self.channel.is_cuda:
+            t.record_stream(torch.cuda.current_stream(self.device))  # freed by compute: reuse waits for it
         return t
 
     def _fetch(self, page: Page) -> None:
         if page.fetched is not None or page.host is None:
             return
-        t = torch.empty_strided(page.shape, page.stride, dtype=page.dtype, device=self.device)
-        page.fetched_event = self._upload(page.host.view(page.dtype), flat(t))
-        page.fetched = t
+        page.fetched, page.fetched_event = self._upload(page.host.view(page.dtype), page)
         self.counters["h2d_bytes"] += page.host.numel()
 
-    def _upload(self, src: torch.Tensor, dst: torch.Tensor):
+    def _upload(self, src: torch.Tensor, page: Page):
+        """A device tensor of the page's layout, filled from `src` on the H2D stream, and the copy's event.
+
+        It is allocated while the H2D stream is current: memory the compute stream just freed may
+        still be read by its queued kernels, and only the stream that freed a block may reuse it
+        at once (a copy on another stream into compute-freed memory corrupted training: NaN at
+        4 x 2048, found on the H200 2026-12-01)."""
         self.channel.stats.count("h2d", src.numel() * src.element_size())
         if not self.channel.is_cuda:
-            dst.copy_(src)
-            return None
+            t = torch.empty_strided(page.shape, page.stride, dtype=page.dtype, device=self.device)
+            flat(t).copy_(src)
+            return t, None
         h2d = self.channel.h2d
         with torch.cuda.device(self.device), torch.cuda.stream(h2d):
-            dst.copy_(src, non_blocking=True)
-            dst.record_stream(h2d)  # a prefetched page dropped unread must not be reused mid-copy
+            t = torch.empty_strided(page.shape, page.stride, dtype=page.dtype, device=self.device)
+            flat(t).copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(h2d)
-        return done
+        return t, done
 
     def _fetch_block(self, index: int) -> None:
         alive = [p for p in (ref() for ref in self._pages[index]) if p is not None]

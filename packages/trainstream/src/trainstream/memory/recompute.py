@@ -30,9 +30,10 @@ class Recompute:
         self.previous = block.__dict__.get("forward", _MISSING)
         self.original = self.previous if self.previous is not _MISSING else _plain_forward(block)
         self.calls = 0
+        self.enabled = True  # the automatic policy switches blocks between steps
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not self.enabled or not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
         self.calls += 1
         return torch.utils.checkpoint.checkpoint(self.original, *args, use_reentrant=False,

@@ -1,0 +1,216 @@
+"""The measuring side of activation_offload='auto' / recompute='auto' (rules in ``tuner.py``).
+
+Phases: ``probe`` (the first forward with gradients: block 0 is measured, the others are decided
+before they run), ``trial`` (one step per candidate setting, timed with the device synchronized
+at step(); each step's peak corrects the VRAM estimate), ``settled`` (the fastest trial's
+setting, no more synchronizing). The owner, ``ActivationPolicy``, applies each setting between
+steps; this class only measures and decides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .plan import GiB, vram_budget
+from .tuner import Choice, Measured, choose, trial_candidates
+
+__all__ = ["ActivationTuner", "CudaMeter", "Meter"]
+
+# Planned VRAM for the probe's unknowns (output layer, loss, backward's working memory) before the
+# first peak is measured, as a share of the room left at block 0.
+PROBE_TAIL_SHARE = 0.35
+# Each measured peak is trusted to this share of the budget.
+PEAK_MARGIN = 0.03
+
+
+class Meter:
+    """Memory and time as the tuner sees them; the CPU default has no VRAM limit (everything stays).
+    Tests pass their own (a budget, a clock) to drive the same decisions without a GPU."""
+
+    def __init__(self, budget: int | None = None, link_bytes_per_s: float = 50e9, host_bytes: int | None = None):
+        self._budget = budget
+        self._link = link_bytes_per_s
+        self._host = host_bytes
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+
+    def budget(self) -> int | None:
+        return self._budget
+
+    def allocated(self) -> int:
+        return self.allocated_bytes
+
+    def peak(self) -> int:
+        return self.peak_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.allocated_bytes
+
+    def synchronize(self) -> None:
+        return None
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def link_bytes_per_s(self) -> float:
+        return self._link
+
+    def host_bytes(self) -> int:
+        if self._host is not None:
+            return self._host
+        import ts_pinned
+        return ts_pinned.page_lock_budget().budget
+
+
+class CudaMeter(Meter):
+    def __init__(self, device: torch.device, headroom: float):
+        super().__init__()
+        self.device = device
+        self.headroom = headroom
+        self._link_cached = None
+
+    def budget(self) -> int:
+        return vram_budget(self.device, self.headroom)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def link_bytes_per_s(self) -> float:
+        if self._link_cached is None:
+            import ts_planner
+            rates = ts_planner.measure_link(self.device, 64 << 20, 3)
+            self._link_cached = 1e9 * min(rates["h2d_gbps"], rates["d2h_gbps"])
+        return self._link_cached
+
+    def host_bytes(self) -> int:
+        import ts_pinned
+        budget = ts_pinned.page_lock_budget().budget
+        stats = ts_pinned.default_arena().stats()
+        return max(0, budget - stats["arena_bytes"] + (stats["arena_bytes"] - stats["arena_used"]))
+
+
+class ActivationTuner:
+    """Decides the policy for ``blocks`` blocks. ``page`` / ``recompute``: which paths it may use.
+    ``reserved_link_bytes``: a callable giving the H2D bytes per step the optimizer uploads."""
+
+    def __init__(self, blocks: int, meter: Meter, events, *, page: bool, recompute: bool,
+                 reserved_link_bytes=lambda: 0):
+        self.blocks = blocks
+        self.meter = meter
+        self.events = events
+        self.page, self.recompute = page, recompute
+        self.reserved_link_bytes = reserved_link_bytes
+        self.phase = "probe"
+        self.measured: Measured | None = None
+        self.candidates: list[Choice] = []
+        self.trials: list[tuple[Choice, float, int]] = []  # (choice, seconds, peak bytes)
+        self.current: Choice | None = None
+        self.history: list[str] = []
+        self._forward_start = None
+        self._block0_start = None
+        self._alloc_at_start = 0
+        self._trial = 0
+
+    @property
+    def settled(self) -> bool:
+        return self.phase == "settled"
+
+    def _event(self, text: str) -> None:
+        self.history.append(text)
+        self.events.add("activations", text)
+
+    # ---- probe -----------------------------------------------------------------------
+
+    def forward_started(self) -> None:
+        """The first forward (with gradients) since the last step."""
+        if self._forward_start is None:
+            self._forward_start = self.meter.now()
+
+    def probe_begin(self) -> None:
+        """Block 0's forward starts (probe)."""
+        self.meter.reset_peak()
+        self.meter.synchronize()
+        self._alloc_at_start = self.meter.allocated()
+        self._block0_start = self.meter.now()
+
+    def probe_end(self, block0_bytes: int) -> Choice:
+        """Block 0's forward ended: measures and decides the other blocks for this step."""
+        self.meter.synchronize()
+        forward_s = max(self.meter.now() - self._block0_start, 1e-6)
+        budget = self.meter.budget()
+        if budget is None:
+            room = 1 << 62
+        else:
+            left = budget - self.meter.allocated()
+            room = int(max(0, left) * (1 - PROBE_TAIL_SHARE))
+        self.measured = Measured(blocks=self.blocks, block_bytes=int(block0_bytes), forward_s=forward_s,
+                                 link_bytes_per_s=self.meter.link_bytes_per_s(), room_bytes=room,
+                                 host_bytes=self.meter.host_bytes(), reserved_link_bytes=self.reserved_link_bytes())
+        self.current = choose(self.measured, page=self.page, recompute=self.recompute)
+        where = "no VRAM limit (CPU)" if budget is None else f"{room / GiB:.2f} GiB of VRAM planned for them"
+        self._event(f"probe: one block saves {block0_bytes / GiB:.3f} GiB for backward and runs forward in "
+                    f"{forward_s * 1e3:.1f} ms; {where}; this step: {self.describe(self.current)}")
+        self.phase = "measuring"
+        return self.current
+
+    # ---- between steps ------------------------------------------------------------------
+
+    def step_finished(self) -> Choice | None:
+        """At step(): times the step, corrects the room from its peak and returns the setting for the
+        next step (None: unchanged)."""
+        if self.phase in ("probe", "settled") or self.measured is None:
+            self._forward_start = None
+            return None
+        self.meter.synchronize()
+        seconds = self.meter.now() - (self._forward_start or self.meter.now())
+        peak = self.meter.peak()
+        self._forward_start = None
+        budget = self.meter.budget()
+        m = self.measured
+        if budget is not None and m.block_bytes > 0:
+            kept = len(self.current.kept)
+            room = int(budget * (1 - PEAK_MARGIN)) - (peak - kept * m.block_bytes)
+            m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room)})
+        if self.phase == "measuring":
+            # The probe step is not timed (it synchronized at block 0 and grew the page pool).
+            self.candidates = trial_candidates(m, page=self.page, recompute=self.recompute)
+            self._trial = 0
+            self.phase = "trial"
+        else:
+            self.trials.append((self.current, seconds, peak))
+            self._event(f"trial: {self.describe(self.current)}: {seconds * 1e3:.0f} ms, peak "
+                        f"{peak / GiB:.2f} GiB")
+            self._trial += 1
+        self.meter.reset_peak()
+        if len(self.candidates) > 1 and self._trial < len(self.candidates):
+            self.current = self._refit(self.candidates[self._trial], m)
+            return self.current
+        return self._settle(m)
+
+    def _refit(self, candidate: Choice, m: Measured) -> Choice:
+        """The candidate's share of paged blocks with the kept count the corrected room allows."""
+        return choose(m, page=self.page, recompute=self.recompute, paged=len(candidate.paged))
+
+    def _settle(self, m: Measured) -> Choice:
+        fits = [t for t in self.trials if self.meter.budget() is None or t[2] <= self.meter.budget()]
+        best = min(fits or self.trials, key=lambda t: t[1])[0] if self.trials else self.candidates[0]
+        self.current = self._refit(best, m)
+        self.phase = "settled"
+        timings = ", ".join(f"{self.describe(c)} {s * 1e3:.0f} ms" for c, s, _ in self.trials)
+        self._event(f"settled: {self.describe(self.current)}" + (f" (measured: {timings})" if timings else ""))
+        return self.current
+
+    def describe(self, choice: Choice) -> str:
+        return (f"{len(choice.kept)} blocks keep their activations in VRAM, {len(choice.paged)} page them to "
+                f"host memory, {len(choice.recomputed)} recompute them")

@@ -1,0 +1,181 @@
+"""activation_offload='auto' / recompute='auto': the rules (choose) and the measuring state machine,
+driven on the CPU by a fake device (a VRAM budget, a clock charged per policy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trainstream
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_activations import Stack, _run
+from trainstream.memory import activations as activations_module
+from trainstream.memory.autotune import Meter
+from trainstream.memory.tuner import Measured, choose, spread, trial_candidates
+
+measured = st.builds(
+    Measured,
+    blocks=st.integers(1, 64),
+    block_bytes=st.integers(0, 1 << 30),
+    forward_s=st.floats(1e-5, 1.0),
+    link_bytes_per_s=st.floats(1e6, 1e11),
+    room_bytes=st.integers(0, 1 << 36),
+    host_bytes=st.integers(0, 1 << 38),
+    reserved_link_bytes=st.integers(0, 1 << 34),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(measured, st.integers(0, 1 << 36), st.booleans(), st.booleans())
+def test_more_room_never_pages_or_recomputes_more(m, extra, page, recompute):
+    small = choose(m, page=page, recompute=recompute)
+    large = choose(Measured(**{**m.__dict__, "room_bytes": m.room_bytes + extra}), page=page, recompute=recompute)
+    assert len(large.kept) >= len(small.kept)
+    assert len(large.paged) <= len(small.paged)
+    assert len(large.recomputed) <= len(small.recomputed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(measured, st.booleans(), st.booleans())
+def test_every_block_gets_one_policy_within_the_limits(m, page, recompute):
+    c = choose(m, page=page, recompute=recompute)
+    assert sorted(c.kept + c.paged + c.recomputed) == list(range(m.blocks))
+    if m.block_bytes > 0:
+        assert len(c.paged) * m.block_bytes <= m.host_bytes  # pages fit in host memory
+        kept_fit = m.room_bytes // m.block_bytes
+        # Only blocks that may go nowhere are kept beyond the room.
+        assert len(c.kept) <= max(kept_fit, 0) or not (page and recompute) or not recompute
+    if not page:
+        assert not c.paged
+    if not recompute:
+        assert not c.recomputed
+    # The kept blocks are the latest ones when anything else happens: backward reaches them first.
+    if c.kept and (c.paged or c.recomputed):
+        assert min(c.kept) > max(c.paged + c.recomputed) or not recompute
+
+
+@given(st.integers(0, 50), st.integers(1, 50))
+def test_spread_picks_distinct_indices_in_range(count, among):
+    picked = spread(min(count, among), among)
+    assert len(picked) == min(count, among) and all(0 <= i < among for i in picked)
+
+
+def test_trials_are_distinct_and_start_with_the_plan():
+    m = Measured(blocks=8, block_bytes=100, forward_s=0.01, link_bytes_per_s=1e3, room_bytes=250, host_bytes=10**6)
+    options = trial_candidates(m, page=True, recompute=True)
+    assert options[0] == choose(m)
+    assert len(set(options)) == len(options) >= 2
+    assert options[0].kept == (6, 7)  # 250 bytes hold two blocks: the last two
+
+
+class FakeDevice(Meter):
+    """VRAM `budget`; the peak is what the policy in effect keeps plus a `tail`; synchronize()
+    advances the clock by a block's forward during the probe, else by the step's cost."""
+
+    def __init__(self, block_bytes, budget_blocks=1.5, recompute_s=3.0, page_s=1.0):
+        super().__init__(budget=int((1 + budget_blocks) * block_bytes), link_bytes_per_s=1e15, host_bytes=1 << 40)
+        self.block_bytes, self.recompute_s, self.page_s = block_bytes, recompute_s, page_s
+        self.policy = None  # the ActivationPolicy, set once wrapped
+        self.t = 0.0
+
+    def allocated(self):
+        return 0
+
+    def peak(self):
+        return (1 + len(self.policy.tuner.current.kept)) * self.block_bytes  # tail = one block
+
+    def synchronize(self):
+        tuner = self.policy.tuner
+        if tuner.phase == "probe":
+            self.t += 0.01
+        else:
+            c = tuner.current
+            self.t += 1.0 + self.recompute_s * len(c.recomputed) + self.page_s * len(c.paged)
+
+    def now(self):
+        return self.t
+
+
+def _block_bytes():
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, activation_offload=[0], min_offload_bytes=0)
+    _run(model, opt, steps=1)
+    nbytes = trainstream.memory_report(model)["activations"]["block_bytes"][0]
+    trainstream.unwrap(model)
+    return nbytes
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    made = []
+
+    def install(**kwargs):
+        device = FakeDevice(_block_bytes(), **kwargs)
+        monkeypatch.setattr(activations_module, "Meter", lambda: device)
+        made.append(device)
+        return device
+
+    return install
+
+
+@pytest.mark.parametrize(("recompute_s", "page_s", "settled"), [
+    (3.0, 1.0, ["offload", "offload", "offload", "keep"]),  # paging measures faster
+    (1.0, 3.0, ["recompute", "recompute", "recompute", "keep"]),  # recompute measures faster
+])
+def test_auto_probes_tries_and_settles_on_the_fastest_and_trains_bit_exact(fake_device, recompute_s, page_s, settled):
+    device = fake_device(recompute_s=recompute_s, page_s=page_s)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    losses = _run(model, opt, steps=6)
+    report = trainstream.memory_report(model)["activations"]
+    assert report["tuning"]["phase"] == "settled"
+    assert report["policy"] == settled
+    assert len(report["tuning"]["trials"]) == 2  # the plan (page all that do not fit) and all recomputed
+    events = [e for e in trainstream.memory_report(model)["events"] if "activations" in e]
+    assert any("probe: one block saves" in e for e in events) and any("settled:" in e for e in events)
+    trainstream.unwrap(model)
+
+    plain, plain_opt = trainstream.wrap(Stack(depth=4), lr=1e-3, activation_offload=False, recompute=False)
+    assert losses == _run(plain, plain_opt, steps=6)  # paging and recompute are exact
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_auto_never_uses_a_path_set_to_false(fake_device):
+    device = fake_device(recompute_s=0.1, page_s=5.0)  # recompute would win, but it is off
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, recompute=False, min_offload_bytes=0)
+    device.policy = model._trainstream_session.activations
+    _run(model, opt, steps=5)
+    report = trainstream.memory_report(model)["activations"]
+    assert report["recompute_blocks"] == [] and report["policy"] == ["offload", "offload", "offload", "keep"]
+    trainstream.unwrap(model)
+
+
+def test_auto_on_the_cpu_keeps_everything_and_says_why():
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3)
+    _run(model, opt, steps=2)
+    report = trainstream.memory_report(model)
+    assert report["activations"]["policy"] == ["keep"] * 4
+    assert any("'auto' keeps every block's activations: the model trains on the CPU" in e for e in report["events"])
+    trainstream.unwrap(model)
+
+
+def test_an_explicit_choice_turns_the_other_auto_off():
+    model, _ = trainstream.wrap(Stack(depth=4), lr=1e-3, recompute=[1])
+    report = trainstream.memory_report(model)
+    assert report["activations"]["policy"] == ["keep", "recompute", "keep", "keep"]
+    assert any("the other option names its blocks explicitly" in e for e in report["events"])
+    trainstream.unwrap(model)
+
+
+def test_recompute_alone_measures_block_0_in_vram_and_recomputes_what_does_not_fit(fake_device):
+    device = fake_device(recompute_s=3.0, page_s=0.1)  # paging would win, but it is off
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, activation_offload=False, min_offload_bytes=0)
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    _run(model, opt, steps=4)
+    assert policy.tuner.measured.block_bytes == device.block_bytes  # counted without paging
+    report = trainstream.memory_report(model)["activations"]
+    assert report["policy"] == ["recompute", "recompute", "recompute", "keep"]
+    assert report["paging"]["pages"] == 0
+    trainstream.unwrap(model)
