@@ -43,6 +43,7 @@ class SdpaCall:
     scale: float | None = None
     enable_gqa: bool = False
     extra: dict = dataclasses.field(default_factory=dict)  # arguments a later torch may add
+    train: bool | None = None  # set when the model's forward began with gradients on
 
     @classmethod
     def from_args(cls, args: tuple, kwargs: dict) -> SdpaCall:
@@ -63,7 +64,12 @@ class SdpaCall:
 
     @property
     def needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.query, self.key, self.value))
+        """Whether backward will run through this call. Inside a training forward a call under
+        no_grad (reentrant checkpointing) is recomputed with gradients in backward: it counts."""
+        inputs = any(t.requires_grad for t in (self.query, self.key, self.value))
+        if self.train is None:
+            return torch.is_grad_enabled() and inputs
+        return self.train and (inputs or not torch.is_grad_enabled())
 
     def options(self, dropout_p: float | None = None) -> dict[str, Any]:
         """Keyword arguments for F.scaled_dot_product_attention beside q, k, v."""

@@ -69,9 +69,10 @@ def attn_implementation(model: torch.nn.Module) -> str | None:
 class _Entry:
     """One forward signature: the call shapes its forward made and the pin they give."""
 
-    __slots__ = ("complete", "device_type", "keys", "pin", "used")
+    __slots__ = ("complete", "device_type", "keys", "pin", "train", "used")
 
-    def __init__(self):
+    def __init__(self, train: bool):
+        self.train = train  # gradients on when the forward began
         self.device_type = "cpu"
         self.keys: dict[tuple, Measurement] = {}
         self.pin: list[SDPBackend] | None = None
@@ -220,7 +221,7 @@ class AttentionChooser:
         signature = forward_signature(args, kwargs)
         entry = self._entries.get(signature)
         if entry is None:
-            entry = _Entry()
+            entry = _Entry(torch.is_grad_enabled())
             self._entries[signature] = entry
             mode = _Discovery(self, entry)
             mode.__enter__()
@@ -280,6 +281,7 @@ class AttentionChooser:
 
     def _discovered_call(self, entry: _Entry, func, args, kwargs):
         call = SdpaCall.from_args(args, kwargs)
+        call.train = entry.train
         key = call.key_of()
         result = self._known.get(key)
         if result is None:

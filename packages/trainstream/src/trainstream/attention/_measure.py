@@ -79,8 +79,7 @@ def _same(tensor):
     return tensor
 
 
-def _leaves(call: SdpaCall, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
-    grad = call.needs_grad
+def _leaves(call: SdpaCall, dtype: torch.dtype | None, grad: bool) -> tuple[torch.Tensor, ...]:
     out = []
     for t in (call.query, call.key, call.value):
         t = t.detach() if dtype is None else t.detach().to(dtype)
@@ -93,11 +92,13 @@ def run_backend(backend: SDPBackend, call: SdpaCall, *, dropout_p: float | None 
     """Forward (under ``backend`` only) and, when the call needs gradients, backward of ``call`` on
     detached copies of its inputs; returns (output, gradients of q, k, v). Saved tensors bypass any
     hooks of the model (checkpointing, activation paging)."""
-    q, k, v = _leaves(call, dtype)
+    grad = call.needs_grad
+    q, k, v = _leaves(call, dtype, grad)
     options = call.options(dropout_p)
     if dtype is not None and options["attn_mask"] is not None and options["attn_mask"].is_floating_point():
         options["attn_mask"] = options["attn_mask"].to(dtype)
-    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    with torch.enable_grad() if grad else contextlib.nullcontext(), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same):
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(q, k, v, **options)
         inputs = [t for t in (q, k, v) if t.requires_grad]
