@@ -171,6 +171,7 @@ class AttentionChooser:
         self._installed = False
         self._depth = 0
         self._current: _Entry | None = None
+        self._signature: tuple = ()
         self._forward_ctx = None
         self._mode_ctx: _Discovery | None = None
         self._live: list[_BackwardPin] = []
@@ -231,6 +232,7 @@ class AttentionChooser:
             ctx.__enter__()
             self._forward_ctx = ctx
         self._current = entry
+        self._signature = signature
         return None
 
     def _post(self, module, args, kwargs, output):
@@ -243,11 +245,15 @@ class AttentionChooser:
         if self._mode_ctx is not None:
             mode, self._mode_ctx = self._mode_ctx, None
             mode.__exit__(None, None, None)
-            self._finish(entry)
+            if output is None:  # the forward raised (or returned nothing): look at its calls again next time
+                self._entries.pop(self._signature, None)
+            else:
+                self._finish(entry)
         self._exit_forward_pin()
         if entry is None:
             return None
-        self._last_backend = name_of(entry.pin[0]) if entry.pin else None
+        if entry.pin:
+            self._last_backend = name_of(entry.pin[0])
         if entry.pin and output is not None and torch.is_grad_enabled():
             tensors: list[torch.Tensor] = []
             _output_tensors(output, tensors)

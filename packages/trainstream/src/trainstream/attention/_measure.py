@@ -214,7 +214,9 @@ def measure(call: SdpaCall, backends: list[SDPBackend], timer: Timer, *, runner:
     device = call.device
     with contextlib.ExitStack() as stack:
         if call.dropout_p > 0:  # timing with dropout draws random numbers: the model's streams stay put
-            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+            cuda = device.type == "cuda"
+            index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+            stack.enter_context(torch.random.fork_rng(devices=[index] if cuda else []))
         return _measure(call, backends, timer, runner, max_check_heads)
 
 

@@ -1,0 +1,145 @@
+"""The attention backend choice on a GPU (tools/gpu_run.sh): every backend agrees with the math backend
+on Qwen2.5 shapes and the fastest measured is chosen; the pin holds in forward and in recomputation;
+deterministic mode; the measurement's memory peak."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_attention import Stack, _tiny_qwen, untouched
+from trainstream.attention import AttentionChooser
+from trainstream.memory.recompute import Recompute
+
+pytestmark = pytest.mark.cuda
+
+
+def _qwen_attention(seq, heads=40, kv_heads=8, head_dim=128, batch=1, gqa=True):
+    """q, k, v as Qwen2.5-14B's layers build them: [b, s, h, d] projections transposed to [b, h, s, d]."""
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def proj(h):
+        return torch.randn(batch, seq, h, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=generator).transpose(1, 2).requires_grad_()
+
+    q, k, v = proj(heads), proj(kv_heads), proj(kv_heads)
+    if not gqa:
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("seq", [512, 2048])
+@pytest.mark.parametrize("gqa", [True, False])
+def test_cuda_backends_agree_and_the_fastest_is_chosen(seq, gqa):
+    q, k, v = _qwen_attention(seq, gqa=gqa)
+    chooser = AttentionChooser("auto")
+    model = _Call(gqa)
+    chooser.install(model)
+    model(q, k, v).float().pow(2).mean().backward()
+    report = chooser.report()
+    (label,) = report["timings_ms"]
+    timings, skipped = report["timings_ms"][label], report.get("skipped", {}).get(label, {})
+    print(label, timings, skipped, report["errors"][label])
+    assert not any(why.startswith("disagrees") for why in skipped.values()), skipped
+    assert {"flash", "efficient", "math"} <= set(timings), skipped
+    assert report["chosen"][label] == min(timings, key=timings.get) == report["backend"]
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, gqa):
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+
+
+@pytest.mark.parametrize("mode", ["efficient", "math", "flash", "cudnn", "auto"])
+def test_cuda_pin_in_forward_and_recompute(mode):
+    model = Stack(dim=512, heads=4).cuda().to(torch.bfloat16)
+    for block in model.blocks:
+        Recompute(block).install()
+    chooser = AttentionChooser(mode)
+    chooser.install(model)
+    x = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()  # the first forward measures / checks
+    for block in model.blocks:
+        block.seen.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(x).float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+    kernels = sorted({e.key for e in prof.key_averages()})
+    backend = chooser.report()["backend"]
+    print(mode, backend, chooser.events.lines(), kernels)
+    seen = [s[0] for block in model.blocks for s in block.seen]
+    assert seen == [backend] * 4  # forward and the recomputation in backward
+    text = " ".join(kernels).lower()
+    if backend == "efficient":
+        assert "fmha" in text and "flash_fwd" not in text and "flash_bwd" not in text
+    if backend == "flash":
+        assert "flash_fwd" in text and "flash_bwd" in text and "fmha" not in text
+    assert untouched()
+
+
+def test_cuda_hugging_face_qwen_auto_with_checkpointing():
+    model = _tiny_qwen("sdpa").cuda().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    chooser = AttentionChooser("auto")
+    chooser.install(model)
+    ids = torch.randint(0, 97, (2, 64), device="cuda")
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids).loss.backward()
+    print(chooser.report())
+    assert chooser.report()["backend"] in ("cudnn", "flash", "efficient", "math")
+    diff = max((p.grad.float() - r.grad.float()).abs().max().item()
+               for p, r in zip(model.parameters(), reference.parameters()))
+    assert diff < 5e-2
+
+
+def test_cuda_measurement_peak_is_reset_while_adapting():
+    q, k, v = _qwen_attention(2048, batch=4)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.max_memory_allocated()
+    chooser = AttentionChooser("auto", may_reset_peak=lambda: True)
+    model = _Call(True)
+    chooser.install(model)
+    model(q, k, v)
+    assert torch.cuda.max_memory_allocated() - before < 2**30, chooser.events.lines()
+
+
+def test_cuda_deterministic_mode_leaves_out_cudnn_and_repeats_bit_for_bit():
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from trainstream.attention import AttentionChooser
+        torch.use_deterministic_algorithms(True)
+        class Call(torch.nn.Module):
+            def forward(self, q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        g = torch.Generator("cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, h, 512, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for h in (40, 8, 8))
+        chooser = AttentionChooser("auto")
+        model = Call()
+        chooser.install(model)
+        grads = []
+        for _ in range(2):
+            out = model(q, k, v)
+            grads.append(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)))
+        report = chooser.report()
+        (label,) = report["timings_ms"]
+        assert "cudnn" not in report["timings_ms"][label], report
+        assert "not deterministic" in report["skipped"][label]["cudnn"], report
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        print("OK", report)
+    """)
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
