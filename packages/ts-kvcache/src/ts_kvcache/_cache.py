@@ -1,0 +1,472 @@
+"""PagedKVCache: resident layers keep their keys and values in VRAM; offloaded layers
+keep full pages in host memory, a partial last page (the tail) in VRAM, and borrow one
+of a few device slots while they run, filled ahead of time on a copy stream.
+
+Ordering on CUDA (nothing here blocks the host, except ``release``):
+- a prefetch into a slot waits, on the H2D stream, for the compute stream as it was when
+  the prefetch was issued (the slot's previous layer has enqueued its attention by then)
+  and for the last page written to host memory;
+- the compute stream waits for a slot's fill before it touches the slot, and for the last
+  D2H copy (which may still read the slot);
+- a full page leaves on the D2H stream once the compute stream has written its tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._args import check_fraction, check_int, check_resident, spread
+from ._native import copy_pages
+from ._pool import HostPagePool
+
+__all__ = ["PagedKVCache"]
+
+_COPY_METHODS = ("auto", "engine", "kernel")
+
+
+class _Slot:
+    """A device buffer that holds one offloaded layer's tokens while it runs."""
+
+    __slots__ = ("buffer", "layer", "prefetched", "ready", "stamp", "tokens")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.layer: int | None = None
+        self.tokens = 0  # tokens of `layer` valid in the buffer (its pages first)
+        self.prefetched = False  # filled ahead of time and not used yet
+        self.ready: torch.cuda.Event | None = None  # the H2D fill in flight
+        self.stamp = 0  # last use, for least-recently-used replacement
+
+
+class PagedKVCache:
+    """A KV cache for autoregressive generation whose offloaded layers keep their keys and
+    values in host pages (page-locked, from ts-pinned). Inference only.
+
+    ``num_layers``: attention layers. ``max_tokens``: the longest sequence expected (prompt
+    plus new tokens); it sizes the buffers and the ``"auto"`` plan; longer ones reallocate.
+    ``resident_layers``: ``"auto"`` (as many layers as fit in ``vram_fraction`` of the free
+    VRAM at the first update; all of them on the CPU), an integer (the offloaded ones spread
+    through the stack) or a list of layer indices. ``page_tokens``: tokens per host page.
+    ``slots``: device slots for offloaded layers (2 or 3; one is filled ahead while another
+    runs). ``copy``: ``"auto"``/``"engine"`` (strided copies on the copy engines) or
+    ``"kernel"`` (an SM kernel that reads the page-locked pages directly).
+    ``streams``: ``(h2d, d2h)`` CUDA streams to copy on, or a function of the device that
+    returns them (default: the cache's own).
+    ``arena``: the ``ts_pinned.PinnedArena`` the host pages come from (default: the
+    process-wide one).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_tokens: int,
+        *,
+        resident_layers: str | int | list[int] = "auto",
+        page_tokens: int = 256,
+        vram_fraction: float = 0.5,
+        slots: int = 2,
+        copy: str = "auto",
+        streams: tuple | None = None,
+        arena=None,
+    ):
+        self.num_layers = check_int(num_layers, "num_layers", 1)
+        self.max_tokens = check_int(max_tokens, "max_tokens", 1)
+        self._resident_spec = check_resident(resident_layers, self.num_layers)
+        self.page_tokens = check_int(page_tokens, "page_tokens", 1)
+        self.vram_fraction = check_fraction(vram_fraction, "vram_fraction")
+        self.slot_count = check_int(slots, "slots", 2, 3)
+        if copy not in _COPY_METHODS:
+            raise ValueError(f"copy={copy!r} is not valid; use one of {', '.join(_COPY_METHODS)}")
+        self._copy = "engine" if copy == "auto" else copy
+        if streams is not None and not callable(streams) and (not isinstance(streams, (tuple, list)) or len(streams) != 2):
+            raise ValueError(
+                f"streams={streams!r} must be None, a pair (h2d, d2h) of torch.cuda.Stream, or a function of the "
+                "device returning one"
+            )
+        self._user_streams = streams
+        self._arena = arena
+        self.plan: dict = {}
+        self._stats = dict.fromkeys(
+            ("h2d_bytes", "d2h_bytes", "prefetched", "gathered", "reused", "discarded", "reallocations"), 0
+        )
+        self._lengths = [0] * self.num_layers
+        self._pages: list[list[int]] = [[] for _ in range(self.num_layers)]
+        self._geometry: tuple | None = None
+        spec = self._resident_spec
+        self._resident: set[int] = set(spec or ())
+        self._offloaded: list[int] = [] if spec is None else [i for i in range(self.num_layers) if i not in spec]
+        self._upcoming: dict[int, list[int]] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._tails: dict[int, torch.Tensor] = {}
+        self._slots: list[_Slot] = []
+        self._capacity = 0
+        self._pool: HostPagePool | None = None
+        self._h2d = self._d2h = None
+        self._d2h_done: torch.cuda.Event | None = None
+        self._clock = 0
+
+    # ---- public -----------------------------------------------------------
+
+    @property
+    def resident(self) -> list[int]:
+        """Layers kept in VRAM (decided at the first update when ``"auto"``; empty before)."""
+        return sorted(self._resident)
+
+    @property
+    def offloaded(self) -> list[int]:
+        """Layers whose full pages live in host memory."""
+        return list(self._offloaded)
+
+    @property
+    def stats(self) -> dict:
+        """Counters: ``h2d_bytes``/``d2h_bytes`` copied (cumulative), ``pages`` (host pages
+        holding tokens now), ``prefetched`` (an offloaded layer found its pages in a slot filled
+        ahead of time), ``gathered`` (copied on demand), ``reused`` (still in the slot since the
+        layer last ran), ``discarded`` (fills never used), ``reallocations`` (growth past
+        ``max_tokens``)."""
+        return dict(self._stats, pages=self._pool.in_use if self._pool else 0)
+
+    def seq_length(self, layer: int = 0) -> int:
+        """Tokens cached in ``layer``."""
+        return self._lengths[self._check_layer(layer)]
+
+    def memory(self) -> dict:
+        """Bytes held: ``device_bytes`` (resident buffers, slots, tails) and ``host_bytes``
+        (host pages, used or free)."""
+        tensors = [*self._buffers.values(), *self._tails.values(), *(s.buffer for s in self._slots)]
+        return {
+            "device_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "host_bytes": self._pool.host_bytes if self._pool else 0,
+        }
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends ``k``/``v`` ``[batch, kv_heads, new_tokens, head_dim]`` to ``layer`` and returns
+        its keys and values so far, as strided views. An offloaded layer's views live in a shared
+        slot: use them before the next offloaded layer's update (as attention does)."""
+        layer = self._check_layer(layer)
+        k, v = self._check_kv(layer, k, v)
+        self._setup(k)
+        n = k.shape[-2]
+        if layer in self._resident:
+            out = self._update_resident(layer, k, v, n)
+        else:
+            out = self._update_offloaded(layer, k, v, n)
+        if self._slots:
+            self._prefetch_after(layer)
+        return out
+
+    def reset(self) -> None:
+        """Forgets every token; buffers and host pages are kept for the next sequences."""
+        if self._h2d is not None:
+            # Host pages are about to be rewritten: after any fill still reading them.
+            self._d2h.wait_stream(self._h2d)
+        for slot in self._slots:
+            self._evict(slot)
+        if self._pool is not None:
+            for pages in self._pages:
+                self._pool.free(pages)
+        self._pages = [[] for _ in range(self.num_layers)]
+        self._lengths = [0] * self.num_layers
+
+    def release(self) -> None:
+        """Forgets every token and frees every buffer and host page (waits for the cache's copies)."""
+        self.reset()
+        self._drop_buffers()
+        self._geometry = None
+
+    def check_invariants(self) -> None:
+        """RuntimeError unless the page tables and the pool agree (for tests): every page in use
+        belongs to exactly one offloaded layer, and each holds ``length // page_tokens`` pages."""
+        owned = [p for pages in self._pages for p in pages]
+        if len(owned) != len(set(owned)):
+            raise RuntimeError("PagedKVCache: a host page belongs to two layers")
+        if self._pool is not None:
+            self._pool.check_invariants()
+            if set(owned) != self._pool._used:
+                raise RuntimeError("PagedKVCache: the pool's pages in use differ from the page tables")
+        for layer in range(self.num_layers):
+            expected = 0 if layer in self._resident else self._lengths[layer] // self.page_tokens
+            if len(self._pages[layer]) != expected:
+                raise RuntimeError(f"PagedKVCache: layer {layer} holds {len(self._pages[layer])} pages, not {expected}")
+        for slot in self._slots:
+            if slot.layer is not None and slot.tokens > self._lengths[slot.layer]:
+                raise RuntimeError(f"PagedKVCache: a slot holds more tokens than layer {slot.layer}")
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, max_tokens={self.max_tokens}, "
+            f"resident={self.resident}, offloaded={self.offloaded}, page_tokens={self.page_tokens})"
+        )
+
+    # ---- checks and setup -------------------------------------------------
+
+    def _check_layer(self, layer: int) -> int:
+        return check_int(layer, "layer", 0, self.num_layers - 1)
+
+    def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise ValueError("update takes keys and values as torch tensors")
+        if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                "update: keys and values must be [batch, kv_heads, new_tokens, head_dim] tensors of one shape, "
+                f"dtype and device; got keys {tuple(k.shape)} {k.dtype} on {k.device}, values {tuple(v.shape)} "
+                f"{v.dtype} on {v.device}"
+            )
+        if k.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"update: tensors must be on the CPU or a CUDA device, got {k.device}")
+        return k.detach(), v.detach()
+
+    def _setup(self, k: torch.Tensor) -> None:
+        batch, heads, _new, head_dim = k.shape
+        geometry = (batch, heads, head_dim, k.dtype, k.device)
+        if geometry == self._geometry:
+            return
+        if self._geometry is not None:
+            if any(self._lengths):
+                b, h, d, dtype, device = self._geometry
+                raise ValueError(
+                    f"update: got keys {tuple(k.shape)} {k.dtype} on {k.device}, but the cache holds batch {b}, "
+                    f"{h} kv heads, head_dim {d}, {dtype} on {device}; call reset() before a new batch"
+                )
+            self._drop_buffers()
+        self._geometry = geometry
+        itemsize = k.element_size()
+        capacity = self._round(self.max_tokens)
+        layer_bytes = 2 * batch * heads * capacity * head_dim * itemsize
+        page_bytes = 2 * batch * heads * self.page_tokens * head_dim * itemsize
+        if self._resident_spec is not None:
+            resident = self._resident_spec
+        else:
+            resident = self._auto_resident(k.device, layer_bytes, page_bytes)
+        self._resident = set(resident)
+        self._offloaded = [i for i in range(self.num_layers) if i not in self._resident]
+        self.plan.update(layer_bytes=layer_bytes, page_bytes=page_bytes, resident=len(resident))
+        self._upcoming = {}
+        ahead = min(self.slot_count, len(self._offloaded)) - 1
+        for layer in range(self.num_layers):
+            after = [i for i in self._offloaded if i > layer] + [i for i in self._offloaded if i <= layer]
+            self._upcoming[layer] = [i for i in after if i != layer][:ahead]
+        if not self._offloaded:
+            return
+        shape = (2, batch, heads, capacity, head_dim)
+        self._capacity = capacity
+        self._slots = [
+            _Slot(torch.empty(shape, dtype=k.dtype, device=k.device))
+            for _ in range(min(self.slot_count, len(self._offloaded)))
+        ]
+        tail = (2, batch, heads, self.page_tokens, head_dim)
+        self._tails = {i: torch.empty(tail, dtype=k.dtype, device=k.device) for i in self._offloaded}
+        self._pool = HostPagePool(page_bytes, arena=self._arena)
+        self._pool.reserve(len(self._offloaded) * (self.max_tokens // self.page_tokens))
+        if k.device.type == "cuda":
+            if callable(self._user_streams):
+                self._h2d, self._d2h = self._user_streams(k.device)
+            elif self._user_streams is not None:
+                self._h2d, self._d2h = self._user_streams
+            else:
+                self._h2d, self._d2h = torch.cuda.Stream(k.device), torch.cuda.Stream(k.device)
+
+    def _auto_resident(self, device: torch.device, layer_bytes: int, page_bytes: int) -> list[int]:
+        if device.type != "cuda":
+            self.plan.update(budget=None)
+            return list(range(self.num_layers))  # nothing to save on the host: keep every layer
+        free, _total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = int(self.vram_fraction * free)
+        self.plan.update(free_vram=free, budget=budget)
+        if self.num_layers * layer_bytes <= budget:
+            return list(range(self.num_layers))
+        room = budget - self.slot_count * layer_bytes - self.num_layers * page_bytes
+        count = min(max(room // layer_bytes, 0), self.num_layers - 1)
+        offloaded = set(spread(self.num_layers, self.num_layers - count))
+        return [i for i in range(self.num_layers) if i not in offloaded]
+
+    def _drop_buffers(self) -> None:
+        self._synchronize()
+        self._buffers, self._tails, self._slots = {}, {}, []
+        self._pool = None
+        self._capacity = 0
+        self._h2d = self._d2h = self._d2h_done = None
+
+    def _synchronize(self) -> None:
+        """Host waits for every copy of the cache (before its memory can go back)."""
+        if self._d2h_done is not None:
+            self._d2h_done.synchronize()
+        for slot in self._slots:
+            if slot.ready is not None:
+                slot.ready.synchronize()
+                slot.ready = None
+
+    def _round(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_tokens) * self.page_tokens
+
+    # ---- resident layers --------------------------------------------------
+
+    def _update_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor, n: int):
+        start, end = self._lengths[layer], self._lengths[layer] + n
+        buffer = self._buffers.get(layer)
+        if buffer is None or buffer.shape[3] < end:
+            old = buffer
+            capacity = self._round(max(self.max_tokens, end) if old is None else max(end, old.shape[3] * 3 // 2))
+            batch, heads, head_dim, dtype, device = self._geometry
+            buffer = torch.empty((2, batch, heads, capacity, head_dim), dtype=dtype, device=device)
+            if old is not None:
+                buffer[:, :, :, :start].copy_(old[:, :, :, :start])
+                self._stats["reallocations"] += 1
+            self._buffers[layer] = buffer
+        buffer[0, :, :, start:end].copy_(k)
+        buffer[1, :, :, start:end].copy_(v)
+        self._lengths[layer] = end
+        return buffer[0, :, :, :end], buffer[1, :, :, :end]
+
+    # ---- offloaded layers -------------------------------------------------
+
+    def _update_offloaded(self, layer: int, k: torch.Tensor, v: torch.Tensor, n: int):
+        pt = self.page_tokens
+        start = self._lengths[layer]
+        end = start + n
+        on_host = len(self._pages[layer])
+        if end > self._capacity:
+            self._grow_slots(end)
+        slot = self._acquire(layer)
+        buffer = slot.buffer
+        buffer[0, :, :, start:end].copy_(k)
+        buffer[1, :, :, start:end].copy_(v)
+        full = end // pt
+        tail = self._tails[layer]
+        if full > on_host:
+            pages = self._pool.allocate(full - on_host)
+            self._scatter(buffer, pages, on_host)
+            self._pages[layer].extend(pages)
+            if end > full * pt:
+                tail[:, :, :, : end - full * pt].copy_(buffer[:, :, :, full * pt : end])
+        elif n:
+            offset = start - on_host * pt
+            tail[0, :, :, offset : offset + n].copy_(k)
+            tail[1, :, :, offset : offset + n].copy_(v)
+        slot.tokens = end
+        self._lengths[layer] = end
+        return buffer[0, :, :, :end], buffer[1, :, :, :end]
+
+    def _acquire(self, layer: int) -> _Slot:
+        """The slot that holds ``layer``'s tokens so far, filled now where a prefetch did not."""
+        pt = self.page_tokens
+        pages = len(self._pages[layer])
+        slot = next((s for s in self._slots if s.layer == layer), None)
+        if slot is None:
+            slot = self._victim(exclude=self._upcoming[layer]) or self._victim(exclude=())
+            self._evict(slot)
+            slot.layer = layer
+        self._wait_slot(slot)
+        have = slot.tokens
+        if pages:
+            if have >= pages * pt:
+                self._stats["prefetched" if slot.prefetched else "reused"] += 1
+            else:
+                self._gather(slot, have // pt, pages, prefetch=False)
+                self._stats["gathered"] += 1
+        slot.prefetched = False
+        begin = max(have, pages * pt)
+        end = self._lengths[layer]
+        if begin < end:
+            tail = self._tails[layer]
+            slot.buffer[:, :, :, begin:end].copy_(tail[:, :, :, begin - pages * pt : end - pages * pt])
+        slot.tokens = end
+        self._clock += 1
+        slot.stamp = self._clock
+        return slot
+
+    def _prefetch_after(self, current: int) -> None:
+        """Fills free slots with the next offloaded layers' host pages, on the H2D stream."""
+        targets = self._upcoming[current]
+        protected = {current, *targets}
+        for layer in targets:
+            pages = len(self._pages[layer])
+            if not pages:
+                continue
+            slot = next((s for s in self._slots if s.layer == layer), None)
+            if slot is not None and slot.tokens >= pages * self.page_tokens:
+                continue
+            if slot is None:
+                slot = self._victim(exclude=protected)
+                if slot is None:
+                    return
+                self._evict(slot)
+                slot.layer = layer
+            self._gather(slot, slot.tokens // self.page_tokens, pages, prefetch=True)
+            slot.tokens = pages * self.page_tokens
+            slot.prefetched = True
+            self._clock += 1
+            slot.stamp = self._clock
+
+    def _victim(self, exclude) -> _Slot | None:
+        free = [s for s in self._slots if s.layer not in exclude]
+        return min(free, key=lambda s: s.stamp) if free else None
+
+    def _evict(self, slot: _Slot) -> None:
+        if slot.layer is not None and slot.prefetched:
+            self._stats["discarded"] += 1
+        slot.layer, slot.tokens, slot.prefetched = None, 0, False
+
+    def _grow_slots(self, tokens: int) -> None:
+        capacity = self._round(max(tokens, self._capacity * 3 // 2))
+        batch, heads, head_dim, dtype, device = self._geometry
+        for slot in self._slots:
+            self._wait_slot(slot)  # the compute stream orders the old buffer's reuse after its copies
+            self._evict(slot)
+            slot.buffer = torch.empty((2, batch, heads, capacity, head_dim), dtype=dtype, device=device)
+        self._capacity = capacity
+        self._stats["reallocations"] += 1
+
+    # ---- copies -----------------------------------------------------------
+
+    def _method(self) -> str:
+        return self._copy if self._pool.pinned else "engine"
+
+    def _wait_slot(self, slot: _Slot) -> None:
+        if self._h2d is None:
+            return
+        current = torch.cuda.current_stream(slot.buffer.device)
+        if slot.ready is not None:
+            current.wait_event(slot.ready)
+            slot.ready = None
+        if self._d2h_done is not None:
+            current.wait_event(self._d2h_done)
+
+    def _gather(self, slot: _Slot, first: int, pages: int, *, prefetch: bool) -> None:
+        ids = self._pages[slot.layer][first:pages]
+        self._stats["h2d_bytes"] += len(ids) * self._pool.page_bytes
+        addresses = self._pool.addresses(ids)
+        if self._h2d is None:
+            copy_pages(addresses, slot.buffer, self.page_tokens, first, False)
+            return
+        device = slot.buffer.device
+        if not prefetch:  # on the compute stream, which _wait_slot ordered
+            stream = torch.cuda.current_stream(device).cuda_stream
+            copy_pages(addresses, slot.buffer, self.page_tokens, first, False, method=self._method(), stream=stream)
+            return
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(device))
+        self._h2d.wait_event(issued)
+        if self._d2h_done is not None:
+            self._h2d.wait_event(self._d2h_done)
+        copy_pages(
+            addresses, slot.buffer, self.page_tokens, first, False, method=self._method(), stream=self._h2d.cuda_stream
+        )
+        slot.ready = torch.cuda.Event()
+        slot.ready.record(self._h2d)
+
+    def _scatter(self, buffer: torch.Tensor, ids: list[int], first: int) -> None:
+        self._stats["d2h_bytes"] += len(ids) * self._pool.page_bytes
+        addresses = self._pool.addresses(ids)
+        if self._d2h is None:
+            copy_pages(addresses, buffer, self.page_tokens, first, True)
+            return
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(buffer.device))
+        self._d2h.wait_event(written)
+        copy_pages(addresses, buffer, self.page_tokens, first, True, method=self._method(), stream=self._d2h.cuda_stream)
+        self._d2h_done = torch.cuda.Event()
+        self._d2h_done.record(self._d2h)

@@ -1,0 +1,43 @@
+"""Plain-PyTorch references the tests hold the native code and the cache to."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ConcatCache", "copy_pages_reference"]
+
+
+class ConcatCache:
+    """The KV cache every paged result must equal: ``torch.cat`` along the tokens."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k.clone(), v.clone()
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+        return self.keys[layer], self.values[layer]
+
+    def seq_length(self, layer: int = 0) -> int:
+        return 0 if self.keys[layer] is None else self.keys[layer].shape[-2]
+
+
+def copy_pages_reference(
+    pages: list[torch.Tensor], slot: torch.Tensor, page_tokens: int, first_page: int, to_pages: bool
+) -> None:
+    """What ``ts_kvcache._native.copy_pages`` does, with tensor slicing: each page (raw bytes)
+    is ``[2, batch, kv_heads, page_tokens, head_dim]`` of the slot's tokens
+    ``[(first_page + i) * page_tokens, ...)``."""
+    two, batch, heads, _capacity, head_dim = slot.shape
+    for i, raw in enumerate(pages):
+        page = raw.view(slot.dtype).view(two, batch, heads, page_tokens, head_dim)
+        start = (first_page + i) * page_tokens
+        window = slot[:, :, :, start : start + page_tokens]
+        if to_pages:
+            page.copy_(window)
+        else:
+            window.copy_(page)
