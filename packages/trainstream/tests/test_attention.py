@@ -358,6 +358,25 @@ def test_a_forward_that_raises_leaves_no_pin_and_is_looked_at_again():
     assert model.seen[-1][0] == "math" and len(chooser.report()["timings_ms"]) == 1
 
 
+class _Broken(AttentionChooser):
+    def _runner(self, backend, call, **kwargs):
+        raise MemoryError("no room for the reference")
+
+
+def test_a_failing_measurement_leaves_the_shape_to_pytorch():
+    model = Attention()
+    chooser = _Broken("auto")
+    chooser.install(model)
+    reference = copy.deepcopy(model)
+    for _ in range(2):
+        out, grads = _grads(model, torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)))
+    assert model.seen[-1][0] == "flash" and chooser.report()["backend"] is None
+    assert list(chooser.report()["failed"].values()) == ["MemoryError: no room for the reference"]
+    assert sum("measuring failed" in e for e in chooser.events.lines()) == 1
+    out_ref, grads_ref = _grads(reference, torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)))
+    assert _close([out, *grads], [out_ref, *grads_ref], 0)
+
+
 def test_no_grad_forwards_use_the_training_choice():
     model = Attention()
     chooser = AttentionChooser("auto", timer=fake_timer({"flash": 9.0, "math": 1.0}))
@@ -403,7 +422,7 @@ def test_default_changes_nothing():
     assert not model._forward_hooks and not model._forward_pre_hooks
     _grads(model, torch.randn(2, 8, 32))
     assert chooser.report() == {"mode": "default", "backend": None, "timings_ms": {}, "chosen": {},
-                                "skipped": {}, "errors": {}, "left_alone": None}
+                                "skipped": {}, "errors": {}, "failed": {}, "left_alone": None}
     handle.remove()
 
 

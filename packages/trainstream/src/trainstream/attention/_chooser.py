@@ -286,15 +286,19 @@ class AttentionChooser:
     # ---- one attention call in a discovery forward ----------------------------------------
 
     def _discovered_call(self, entry: _Entry, func, args, kwargs):
-        call = SdpaCall.from_args(args, kwargs)
-        call.train = entry.train
-        key = call.key_of()
+        try:
+            call = SdpaCall.from_args(args, kwargs)
+            call.train = entry.train
+            key = call.key_of()
+        except Exception:  # e.g. nested tensors (no strides): left to PyTorch
+            entry.complete = False
+            return func(*args, **kwargs)
         result = self._known.get(key)
         if result is None:
             if self.mode != "auto":
-                result = self._check_named(call)
+                result = self._guarded(self._check_named, call)
             elif call.needs_grad:
-                result = self._measure(call)
+                result = self._guarded(self._measure, call)
             else:
                 entry.complete = False
         if result is not None:
@@ -307,6 +311,19 @@ class AttentionChooser:
         entry.used.add(name_of(entry.pin[0]))
         with sdpa_kernel(entry.pin, set_priority=True):
             return func(*args, **kwargs)
+
+    def _guarded(self, how, call: SdpaCall) -> Measurement:
+        """Measuring must never break the forward: a failure leaves this shape to PyTorch's order."""
+        try:
+            return how(call)
+        except Exception as error:  # reported in the events
+            label = call.label()
+            why = f"{type(error).__name__}: {str(error).strip()[:200]}"
+            self.events.add("attention", f"{self.mode}, {label}: measuring failed ({why}); PyTorch's own order "
+                                         f"runs this shape")
+            result = Measurement(label, failed=why)
+            self._labels[label] = result
+            return result
 
     def _runner(self, backend: SDPBackend, call: SdpaCall, **kwargs):
         """Runs one backend on a call (forward + backward); tests override it to fake a wrong kernel."""
@@ -362,9 +379,11 @@ class AttentionChooser:
     def _pin(self, entry: _Entry) -> list[SDPBackend] | None:
         """The backends enabled around this signature's forward and backward, in priority order."""
         if self.mode != "auto":
+            if not entry.keys or any(m.failed for m in entry.keys.values()):
+                return None
             ranked = [BACKENDS[self.mode], *(b for b in priority_order() if b != BACKENDS[self.mode])]
         else:
-            measured = list(entry.keys.values())
+            measured = [m for m in entry.keys.values() if m.failed is None]
             if not measured:
                 return None
             order = [name_of(b) for b in priority_order()]
@@ -393,5 +412,6 @@ class AttentionChooser:
             "chosen": {label: m.chosen for label, m in self._labels.items()},
             "skipped": {label: dict(m.skipped) for label, m in self._labels.items() if m.skipped},
             "errors": {label: dict(m.errors) for label, m in self._labels.items() if m.errors},
+            "failed": {label: m.failed for label, m in self._labels.items() if m.failed},
             "left_alone": self.left_alone,
         }

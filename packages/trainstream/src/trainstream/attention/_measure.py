@@ -165,6 +165,7 @@ class Measurement:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     errors: dict[str, float] = dataclasses.field(default_factory=dict)
     chosen: str | None = None
+    failed: str | None = None  # the measurement itself failed: this shape is left to PyTorch
 
     def ranked(self) -> list[str]:
         """Valid backends, fastest first (stable: ties keep the measuring order)."""
