@@ -165,9 +165,18 @@ class ActivationPolicy:
                 choice = self.tuner.probe_end(self.offloader.block_bytes[0])
                 self._apply(choice, keep_block0=True)
 
-        for register, fn in ((model.register_forward_pre_hook, forward_started),
-                             (self.blocks[0].register_forward_pre_hook, probe_begin),
-                             (self.blocks[0].register_forward_hook, probe_end)):
+        def timer(index, finished):
+            def hook(_module, _args, *_output):
+                if torch.is_grad_enabled():
+                    (self.tuner.block_finished if finished else self.tuner.block_started)(index)
+            return hook
+
+        pairs = [(model.register_forward_pre_hook, forward_started),
+                 (self.blocks[0].register_forward_pre_hook, probe_begin),
+                 (self.blocks[0].register_forward_hook, probe_end)]
+        for i, block in enumerate(self.blocks):
+            pairs += [(block.register_forward_pre_hook, timer(i, False)), (block.register_forward_hook, timer(i, True))]
+        for register, fn in pairs:
             hook = EngineHook(fn)
             self._hooks.append(hook)
             self._handles.append(register(hook))

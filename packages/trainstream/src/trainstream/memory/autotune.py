@@ -18,9 +18,6 @@ from .tuner import Choice, Measured, choose, trial_candidates
 
 __all__ = ["ActivationTuner", "CudaMeter", "Meter"]
 
-# Planned VRAM for the probe's unknowns (output layer, loss, backward's working memory) before the
-# first peak is measured, as a share of the room left at block 0.
-PROBE_TAIL_SHARE = 0.35
 # Each measured peak is trusted to this share of the budget.
 PEAK_MARGIN = 0.03
 
@@ -54,6 +51,12 @@ class Meter:
     def now(self) -> float:
         return time.perf_counter()
 
+    def mark(self):
+        return self.now()
+
+    def elapsed(self, start, end) -> float:
+        return end - start
+
     def link_bytes_per_s(self) -> float:
         return self._link
 
@@ -85,6 +88,14 @@ class CudaMeter(Meter):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3
 
     def link_bytes_per_s(self) -> float:
         if self._link_cached is None:
@@ -121,6 +132,7 @@ class ActivationTuner:
         self._block0_start = None
         self._alloc_at_start = 0
         self._trial = 0
+        self._marks: dict[int, list] = {}  # block -> [start, end] marks of the current step
 
     @property
     def settled(self) -> bool:
@@ -149,20 +161,35 @@ class ActivationTuner:
         self.meter.synchronize()
         forward_s = max(self.meter.now() - self._block0_start, 1e-6)
         budget = self.meter.budget()
-        if budget is None:
-            room = 1 << 62
-        else:
-            left = budget - self.meter.allocated()
-            room = int(max(0, left) * (1 - PROBE_TAIL_SHARE))
+        # The probe keeps nothing more: the output layer, the loss and backward's working memory are
+        # only known from its peak (at 4 x 2048 with a 152k vocabulary the loss alone took 12 GB).
+        room = 1 << 62 if budget is None else 0
         self.measured = Measured(blocks=self.blocks, block_bytes=int(block0_bytes), forward_s=forward_s,
                                  link_bytes_per_s=self.meter.link_bytes_per_s(), room_bytes=room,
                                  host_bytes=self.meter.host_bytes(), reserved_link_bytes=self.reserved_link_bytes())
         self.current = choose(self.measured, page=self.page, recompute=self.recompute)
-        where = "no VRAM limit (CPU)" if budget is None else f"{room / GiB:.2f} GiB of VRAM planned for them"
+        where = ("no VRAM limit (CPU)" if budget is None else
+                 "none kept in VRAM until this step's peak shows what the rest of the step needs")
         self._event(f"probe: one block saves {block0_bytes / GiB:.3f} GiB for backward and runs forward in "
-                    f"{forward_s * 1e3:.1f} ms; {where}; this step: {self.describe(self.current)}")
+                    f"{forward_s * 1e3:.1f} ms (first call: re-timed in the next steps); {where}; this step: "
+                    f"{self.describe(self.current)}")
         self.phase = "measuring"
         return self.current
+
+    def block_started(self, index: int) -> None:
+        if self.phase in ("measuring", "trial"):
+            self._marks[index] = [self.meter.mark(), None]
+
+    def block_finished(self, index: int) -> None:
+        mark = self._marks.get(index)
+        if mark is not None and mark[1] is None:
+            mark[1] = self.meter.mark()
+
+    def _timed_forward(self) -> float | None:
+        """The median block forward of the step just synchronized (None when none was timed)."""
+        times = sorted(max(self.meter.elapsed(a, b), 1e-6) for a, b in self._marks.values() if b is not None)
+        self._marks = {}
+        return times[len(times) // 2] if times else None
 
     # ---- between steps ------------------------------------------------------------------
 
@@ -178,6 +205,9 @@ class ActivationTuner:
         self._forward_start = None
         budget = self.meter.budget()
         m = self.measured
+        timed = self._timed_forward()
+        if timed is not None:
+            m = self.measured = Measured(**{**m.__dict__, "forward_s": timed})
         if budget is not None and m.block_bytes > 0:
             kept = len(self.current.kept)
             room = int(budget * (1 - PEAK_MARGIN)) - (peak - kept * m.block_bytes)
