@@ -533,6 +533,19 @@ def test_default_timer_on_the_cpu():
     assert ms >= 0 and len(runs) == 4  # one warm-up
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_numerics_check_compares_like_with_like(dtype):
+    # The float32 reference and the candidates get the same output gradient: errors are the
+    # dtype's rounding, not noise (which would hide a wrong kernel behind a loose limit).
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 64, 32, generator=generator).to(dtype).requires_grad_()
+    k = torch.randn(1, 2, 64, 32, generator=generator).to(dtype).requires_grad_()
+    result = _measure.measure(SdpaCall(q, k, k, is_causal=True, enable_gqa=True), [FLASH, MATH],
+                              fake_timer({"flash": 1.0, "math": 1.0}))
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    assert set(result.errors) == {"flash", "math"} and max(result.errors.values()) < bound
+
+
 def test_reduced_check_keeps_the_head_groups():
     q, k = torch.randn(3, 40, 4, 8), torch.randn(3, 8, 4, 8)
     mask = torch.zeros(3, 40, 4, 4)

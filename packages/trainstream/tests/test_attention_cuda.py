@@ -99,9 +99,9 @@ def test_cuda_hugging_face_qwen_auto_with_checkpointing():
         m(input_ids=ids, labels=ids).loss.backward()
     print(chooser.report())
     assert chooser.report()["backend"] in ("cudnn", "flash", "efficient", "math")
-    diff = max((p.grad.float() - r.grad.float()).abs().max().item()
-               for p, r in zip(model.parameters(), reference.parameters()))
-    assert diff < 5e-2
+    for p, r in zip(model.parameters(), reference.parameters()):
+        scale = r.grad.float().abs().max().item() + 1e-6
+        assert (p.grad.float() - r.grad.float()).abs().max().item() / scale < 5e-2
 
 
 def test_cuda_measurement_peak_is_reset_while_adapting():

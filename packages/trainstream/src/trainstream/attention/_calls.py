@@ -44,6 +44,7 @@ class SdpaCall:
     enable_gqa: bool = False
     extra: dict = dataclasses.field(default_factory=dict)  # arguments a later torch may add
     train: bool | None = None  # set when the model's forward began with gradients on
+    grad_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # measuring's dO
 
     @classmethod
     def from_args(cls, args: tuple, kwargs: dict) -> SdpaCall:
