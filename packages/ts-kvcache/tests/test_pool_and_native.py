@@ -58,10 +58,27 @@ def test_out_of_host_memory_is_a_memory_error_naming_the_fix(monkeypatch):
     def refuse(*args, **kwargs):
         raise MemoryError("page-locking refused")
 
+    real = ts_pinned.empty
     monkeypatch.setattr(ts_pinned, "empty", refuse)
     cache = ts_kvcache.PagedKVCache(2, 8, resident_layers=0, page_tokens=2)
+    k = torch.arange(6.0).view(1, 1, 3, 2)
     with pytest.raises(MemoryError, match=r"resident_layers=.*page-locking refused"):
-        cache.update(0, torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+        cache.update(0, k, k)
+    assert cache.seq_length(0) == 0 and cache.memory() == {"device_bytes": 0, "host_bytes": 0}
+    # Once memory is back, the same cache works.
+    monkeypatch.setattr(ts_pinned, "empty", real)
+    keys, values = cache.update(0, k, k + 1)
+    assert torch.equal(keys, k) and torch.equal(values, k + 1)
+    # Running out while the pool grows mid-sequence leaves the cache as it was.
+    monkeypatch.setattr(ts_pinned, "empty", refuse)
+    more = torch.arange(40.0).view(1, 1, 20, 2)
+    with pytest.raises(MemoryError):
+        cache.update(0, more, more)
+    assert cache.seq_length(0) == 3
+    cache.check_invariants()
+    monkeypatch.setattr(ts_pinned, "empty", real)
+    keys, _ = cache.update(0, more, more)
+    assert torch.equal(keys, torch.cat([k, more], dim=2))
 
 
 def _pages_for(pool, count, dtype):

@@ -231,6 +231,15 @@ class PagedKVCache:
                     f"{h} kv heads, head_dim {d}, {dtype} on {device}; call reset() before a new batch"
                 )
             self._drop_buffers()
+        try:
+            self._plan_and_allocate(k, geometry)
+        except BaseException:
+            self._drop_buffers()  # out of memory (host or device): a later update starts over
+            self._geometry = None
+            raise
+
+    def _plan_and_allocate(self, k: torch.Tensor, geometry: tuple) -> None:
+        batch, heads, _new, head_dim = k.shape
         self._geometry = geometry
         itemsize = k.element_size()
         capacity = self._round(self.max_tokens)
@@ -272,8 +281,12 @@ class PagedKVCache:
         if device.type != "cuda":
             self.plan.update(budget=None)
             return list(range(self.num_layers))  # nothing to save on the host: keep every layer
-        free, _total = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        free += torch.cuda.memory_reserved(device) - allocated
+        # A cap set with torch.cuda.set_per_process_memory_fraction is not in mem_get_info.
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        free = max(0, min(free, int(fraction * total) - allocated))
         budget = int(self.vram_fraction * free)
         self.plan.update(free_vram=free, budget=budget)
         if self.num_layers * layer_bytes <= budget:

@@ -1,0 +1,69 @@
+"""The "auto" plan, on the CPU with the CUDA memory probes stubbed: what fits stays in VRAM,
+a per-process cap counts, more free VRAM never keeps fewer layers, offloaded layers are spread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import ts_kvcache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ts_kvcache._args import spread
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """fake_gpu(free, total, reserved=0, allocated=0, fraction=1.0) stubs torch.cuda's probes."""
+
+    def install(free, total, reserved=0, allocated=0, fraction=1.0):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+
+    return install
+
+
+def _plan(layers, slots=2):
+    cache = ts_kvcache.PagedKVCache(layers, 1024, vram_fraction=1.0, slots=slots)
+    return cache._auto_resident(torch.device("cuda", 0), MIB, MIB // 64)
+
+
+def test_everything_fits(fake_gpu):
+    fake_gpu(free=100 * MIB, total=200 * MIB)
+    assert _plan(8) == list(range(8))
+
+
+def test_what_does_not_fit_is_offloaded_beside_two_slots(fake_gpu):
+    fake_gpu(free=6 * MIB, total=200 * MIB)
+    resident = _plan(8)
+    # 6 MiB: 2 slots + 8 tails (1/64 MiB each) leave room for 3 layers.
+    assert len(resident) == 3
+    assert sorted(set(range(8)) - set(resident)) == spread(8, 5)
+
+
+def test_torch_cached_memory_counts_and_a_cap_limits(fake_gpu):
+    fake_gpu(free=2 * MIB, total=200 * MIB, reserved=5 * MIB, allocated=1 * MIB)
+    assert len(_plan(8)) == 3  # 2 free + 4 cached-but-unused
+    fake_gpu(free=150 * MIB, total=200 * MIB, allocated=94 * MIB, fraction=0.5)
+    assert len(_plan(8)) == 3  # the cap leaves 100 - 94 = 6 MiB, not 150
+
+
+@settings(max_examples=100, deadline=None)
+@given(layers=st.integers(1, 40), free=st.integers(0, 60), extra=st.integers(0, 30), slots=st.sampled_from([2, 3]))
+def test_more_free_vram_never_keeps_fewer_layers(layers, free, extra, slots):
+    def resident(mib):
+        torch_probe = (mib * MIB, 1000 * MIB)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.cuda, "mem_get_info", lambda device=None: torch_probe)
+            mp.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+            mp.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+            mp.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+            return _plan(layers, slots=slots)
+
+    low, high = resident(free), resident(free + extra)
+    assert len(low) <= len(high)
+    if len(low) < layers:  # something offloaded: resident layers, slots and tails fit the budget
+        assert len(low) == 0 or (len(low) + slots) * MIB + layers * (MIB // 64) <= free * MIB
