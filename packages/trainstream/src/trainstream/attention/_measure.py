@@ -36,7 +36,8 @@ Timer = Callable[[SDPBackend, Callable[[], object], torch.device], float]
 
 
 def name_of(backend: SDPBackend) -> str:
-    return _NAMES.get(backend, str(backend).removeprefix("SDPBackend.").lower())
+    name = _NAMES.get(backend)
+    return name if name is not None else str(backend).removeprefix("SDPBackend.").lower()
 
 
 def priority_order() -> list[SDPBackend]:
