@@ -210,3 +210,22 @@ def test_trainer_attaches_an_offload_adamw_given_through_optimizers(tmp_path):
     trainer.train()
     assert opt.attached and model._trainstream_session.optimizer is opt and model._trainstream_session.steps == 4
     trainstream.unwrap(model)
+
+
+def test_causal_lm_logprobs_takes_model_kwargs_and_models_with_their_own_logits():
+    from trainstream.integrations.huggingface import causal_lm_logprobs
+
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    plain = causal_lm_logprobs(model, ids)
+    positions = torch.arange(10).expand(2, 10)
+    torch.testing.assert_close(causal_lm_logprobs(model, ids, position_ids=positions), plain)
+    assert not torch.allclose(causal_lm_logprobs(model, ids, position_ids=positions * 3), plain)  # RoPE: only relative offsets matter
+    # A soft-capped head is not a plain projection: the model's own logits are used.
+    capped = tiny_llama()
+    capped.config.final_logit_softcapping = 30.0  # Llama ignores it: both paths must then agree
+    labels = ids.clone()
+    labels[:, :4] = -100
+    for average in (False, True):
+        torch.testing.assert_close(causal_lm_logprobs(capped, ids, labels, average=average),
+                                   causal_lm_logprobs(model, ids, labels, average=average), rtol=1e-5, atol=1e-5)

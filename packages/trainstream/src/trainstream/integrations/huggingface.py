@@ -81,19 +81,32 @@ def wrap_hf(model: torch.nn.Module, optimizer=None, **options):
 
 def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, *, chunk_size: int = 1024,
-                       average: bool = False) -> torch.Tensor:
+                       average: bool = False, **model_kwargs) -> torch.Tensor:
     """Each sequence's log-probability of its labels (default: the input ids; ``-100``: not counted;
-    shifted inside), ``[B]`` float32, computed in chunks; differentiable (DPO's policy term)."""
+    shifted inside), ``[B]`` float32, computed in chunks; differentiable (DPO's policy term).
+    ``model_kwargs`` go to the model (``position_ids``, ...). A model whose logits are not a plain
+    projection of its last hidden states (soft-capping, logit scales) uses its own logits."""
     labels = input_ids if labels is None else labels
-    parts = decoder_and_head(model)
-    if parts is None:
-        raise ValueError(f"{type(model).__name__} does not expose a decoder and a plain output projection")
-    decoder, head = parts
-    inputs = {"input_ids": input_ids}
+    inputs = {"input_ids": input_ids, **model_kwargs}
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask
+    parts = decoder_and_head(model)
+    if parts is None:
+        return _logprobs_from_logits(model, inputs, labels, average)
+    decoder, head = parts
     return sequence_logprobs(_hidden(decoder, inputs), head.weight, labels, head.bias, chunk_size=chunk_size,
                              average=average)
+
+
+def _logprobs_from_logits(model: torch.nn.Module, inputs: dict, labels: torch.Tensor, average: bool,
+                          ignore_index: int = -100) -> torch.Tensor:
+    out = model(**inputs, use_cache=False)
+    logits = (out.logits if hasattr(out, "logits") else out[0])[:, :-1, :].float()
+    target = labels[:, 1:]
+    valid = target != ignore_index
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
+    logp = torch.where(valid, picked, 0.0).sum(dim=1)
+    return logp / valid.sum(dim=1).clamp(min=1) if average else logp
 
 
 def reference_logprobs(model: torch.nn.Module, batches, *, chunk_size: int = 1024,
