@@ -1,0 +1,193 @@
+r"""Generation throughput with TrainStreamCache against DynamicCache and DynamicCache(offloading=True).
+
+One process per setting (``--engine E --batch B``), printing one ``RESULT {json}`` line: tokens/s
+(batch x new tokens / generate() wall time, after a short warm-up), peak VRAM from the end of the
+model build on, and the paged cache's plan and counters. ``--sweep`` finds the largest batch at
+which DynamicCache fits (doubling from ``--start-batch``), then runs every engine at that batch and
+at 4x it, each in a fresh process, and appends the results to ``--out`` (JSON lines).
+
+Model: a random-init Qwen2.5-7B shape (28 layers, 28/4 heads of 128, vocab 152064), bf16, SDPA
+attention, greedy decoding with exactly ``--new`` new tokens. ``--vram-cap-gb`` caps the process
+with ``set_per_process_memory_fraction`` (what is left after the weights plays the training state's
+part). Needs a GPU, transformers and trainstream.
+
+    python packages/ts-kvcache/bench/generate.py --sweep --vram-cap-gb 40 --out docs/results/kvcache_h200.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+SHAPE = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+         "num_key_value_heads": 4, "vocab_size": 152064}
+ENGINES = ("dynamic", "offloaded", "paged")
+
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 97}
+
+
+def _model(layers: int | None, device: str, tiny: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(TINY if tiny else SHAPE)
+    shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
+    config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=False,
+                         attn_implementation="sdpa", eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def _cache(engine: str, model, max_tokens: int, args):
+    from transformers import DynamicCache
+
+    if engine == "dynamic":
+        return DynamicCache(config=model.config)
+    if engine == "offloaded":
+        return DynamicCache(config=model.config, offloading=True)
+    from trainstream.integrations.kvcache import TrainStreamCache
+
+    options = {"page_tokens": args.page_tokens, "vram_fraction": args.vram_fraction, "slots": args.slots}
+    if args.resident is not None:
+        options["resident_layers"] = args.resident
+    return TrainStreamCache(model, max_tokens, **options)
+
+
+def _generate(model, ids, cache, new: int):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, past_key_values=cache, pad_token_id=0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(args) -> dict:
+    cuda = args.device == "cuda"
+    result = {"engine": args.engine, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+              "vram_cap_gb": args.vram_cap_gb, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if args.vram_cap_gb and cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gb * 2**30 / total))
+    model = _model(args.layers, args.device, args.tiny)
+    _sync(args.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (args.batch, args.prompt), generator=gen).to(args.device)
+    try:
+        with torch.no_grad():
+            _generate(model, ids, _cache(args.engine, model, args.prompt + 8, args), 8)  # warm-up
+            cache = _cache(args.engine, model, args.prompt + args.new, args)
+            _sync(args.device)
+            start = time.perf_counter()
+            out = _generate(model, ids, cache, args.new)
+            _sync(args.device)
+            elapsed = time.perf_counter() - start
+    except torch.OutOfMemoryError as error:
+        result.update(outcome="out of memory", error=str(error).splitlines()[0])
+        return result
+    generated = (out.shape[1] - args.prompt) * args.batch
+    result.update(outcome="ok", seconds=round(elapsed, 3), tokens_per_s=round(generated / elapsed, 1),
+                  peak_vram_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                  weights_gb=round(base / 2**30, 2))
+    kv = getattr(cache, "kv", None)
+    if kv is not None:
+        result.update(resident=len(kv.resident), offloaded=len(kv.offloaded), stats=kv.stats, memory=kv.memory())
+    return result
+
+
+def _child(args, engine: str, batch: int) -> dict:
+    cmd = [sys.executable, __file__, "--engine", engine, "--batch", str(batch), "--prompt", str(args.prompt),
+           "--new", str(args.new), "--vram-cap-gb", str(args.vram_cap_gb), "--page-tokens", str(args.page_tokens),
+           "--vram-fraction", str(args.vram_fraction), "--slots", str(args.slots)]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    if args.tiny:
+        cmd += ["--tiny", "--device", args.device]
+    if args.resident is not None:
+        cmd += ["--resident", str(args.resident)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"engine": engine, "batch": batch, "outcome": f"failed ({proc.returncode})", "error": " | ".join(tail)}
+
+
+def sweep(args) -> None:
+    results = []
+
+    def record(result):
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+    batch, fits = args.start_batch, None
+    while batch <= args.max_batch:
+        result = _child(args, "dynamic", batch)
+        if result.get("outcome") != "ok":
+            break
+        fits = (batch, result)
+        batch *= 2
+    if fits is None:
+        raise SystemExit(f"DynamicCache does not fit even at batch {args.start_batch}; lower --start-batch")
+    batch, dynamic = fits
+    record(dynamic)
+    for engine in ("offloaded", "paged"):
+        record(_child(args, engine, batch))
+    for engine in ENGINES:
+        record(_child(args, engine, 4 * batch))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=ENGINES)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test; with --device cpu)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--vram-cap-gb", type=float, default=0.0)
+    parser.add_argument("--page-tokens", type=int, default=256)
+    parser.add_argument("--vram-fraction", type=float, default=0.5)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--resident", type=int, default=None, help="resident layers (default: auto)")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--start-batch", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.sweep:
+        sweep(args)
+    elif args.engine:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+    else:
+        parser.error("give --engine or --sweep")
+
+
+if __name__ == "__main__":
+    main()
