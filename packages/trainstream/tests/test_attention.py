@@ -323,6 +323,21 @@ def _checkpointed(model, x, reentrant):
     return x
 
 
+def test_one_backward_through_several_forwards_leaves_the_pin_once():
+    # DPO-style: two forwards (two signatures), one backward; recomputation of both runs pinned.
+    model = Stack()
+    for block in model.blocks:
+        Recompute(block).install()
+    chooser = AttentionChooser("auto", timer=fake_timer({"flash": 9.0, "math": 1.0}))
+    chooser.install(model)
+    for _ in range(2):
+        for block in model.blocks:
+            block.seen.clear()
+        (model(torch.randn(2, 8, 32)).sum() + model(torch.randn(2, 6, 32)).sum()).backward()
+        assert untouched()
+    assert [s[0] for block in model.blocks for s in block.seen] == ["math"] * 8
+
+
 def test_a_failed_backward_leaves_no_pin_behind():
     model = Attention()
     chooser = AttentionChooser("auto", timer=fake_timer({"flash": 9.0, "math": 1.0}))

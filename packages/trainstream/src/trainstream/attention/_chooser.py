@@ -94,18 +94,22 @@ class _Discovery(TorchFunctionMode):
 
 class _BackwardPin:
     """Enters the pin when the first gradient reaches one of the model's outputs; leaves it when
-    that backward pass ends (autograd's final callback)."""
+    that backward pass ends (autograd's final callback). One backward through several forwards'
+    outputs (DPO's chosen and rejected) enters only the first pin reached: nested pins released by
+    callbacks in first-queued order would restore the wrong state."""
 
-    def __init__(self, backends: list[SDPBackend], live: list):
-        self.backends, self.live, self.ctx = backends, live, None
+    def __init__(self, backends: list[SDPBackend], live: list, conflict: Callable[[list, list], None]):
+        self.backends, self.live, self.conflict, self.ctx = backends, live, conflict, None
 
     def __call__(self, grad):
-        if self.ctx is None:
+        if self.ctx is None and not self.live:
             ctx = sdpa_kernel(self.backends, set_priority=True)
             ctx.__enter__()
             self.ctx = ctx
             self.live.append(self)
             torch.autograd.Variable._execution_engine.queue_callback(self.release)
+        elif self.ctx is None and self.live[0].backends != self.backends:
+            self.conflict(self.live[0].backends, self.backends)
         return None
 
     def release(self) -> None:
@@ -177,6 +181,7 @@ class AttentionChooser:
         self._live: list[_BackwardPin] = []
         self._last_backend: str | None = None
         self._no_calls_reported = False
+        self._conflict_reported = False
 
     # ---- install / remove -------------------------------------------------------------
 
@@ -258,7 +263,7 @@ class AttentionChooser:
             tensors: list[torch.Tensor] = []
             _output_tensors(output, tensors)
             if tensors:
-                pin = _BackwardPin(entry.pin, self._live)
+                pin = _BackwardPin(entry.pin, self._live, self._conflict)
                 for tensor in tensors:
                     tensor.register_hook(pin)
         return None
@@ -267,6 +272,13 @@ class AttentionChooser:
         if self._forward_ctx is not None:
             ctx, self._forward_ctx = self._forward_ctx, None
             ctx.__exit__(None, None, None)
+
+    def _conflict(self, running: list[SDPBackend], wanted: list[SDPBackend]) -> None:
+        if not self._conflict_reported:
+            self._conflict_reported = True
+            self.events.add("attention", f"one backward runs through forwards pinned differently "
+                                         f"({[name_of(b) for b in running]} and {[name_of(b) for b in wanted]}): "
+                                         f"recomputation in that backward uses the first")
 
     def _release_stale(self) -> None:
         # A backward that raised never ran its final callback; its pin is left here, newest first.
