@@ -277,6 +277,18 @@ def test_attach_later_continues_and_unwrap_detaches():
     trainstream.unwrap(ours)
 
 
+def test_a_deep_copy_trains_like_the_original():
+    model = _mlp()
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05)
+    _run(model, opt, _data(2))
+    model_copy, opt_copy = copy.deepcopy((model, opt))
+    assert opt_copy.wrap_options == {"max_grad_norm": 0.05} and not opt_copy.attached
+    _run(model, opt, _data(3, seed=4))
+    _run(model_copy, opt_copy, _data(3, seed=4))
+    for a, b in zip(model.parameters(), model_copy.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_engine_settings_are_checked_at_construction():
     params = _mlp().parameters()
     with pytest.raises(ValueError, match="mode='fast'"):

@@ -68,6 +68,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         _check_engine_settings(self.wrap_options)
         super().__init__(params, defaults)
 
+    # copy.deepcopy / pickle: the settings travel, the engine does not (a copy is never attached).
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["wrap_options"] = dict(getattr(self, "wrap_options", {}))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        wrap_options = state.pop("wrap_options", {})
+        super().__setstate__(state)
+        self.wrap_options = wrap_options
+        self._session = None
+        self._host = HostSteps()
+
     @property
     def attached(self) -> bool:
         """True while a model's engine runs this optimizer's updates (after attach() / wrap())."""
