@@ -229,3 +229,15 @@ def test_causal_lm_logprobs_takes_model_kwargs_and_models_with_their_own_logits(
     for average in (False, True):
         torch.testing.assert_close(causal_lm_logprobs(capped, ids, labels, average=average),
                                    causal_lm_logprobs(model, ids, labels, average=average), rtol=1e-5, atol=1e-5)
+
+
+def test_load_model_quant_block_size(tmp_path):
+    from trainstream.integrations.huggingface import load_model
+
+    tiny_llama().save_pretrained(tmp_path)
+    for size in (32, None):
+        model = load_model(str(tmp_path), quantize="int8", quant_block_size=size, progress=False)
+        layers = [m for m in model.modules() if hasattr(m, "qweight")]
+        assert layers and {m.qweight.block_size for m in layers} == {size or 64}
+    with pytest.raises(ValueError, match="block"):
+        load_model(str(tmp_path), quantize="int8", quant_block_size=3, progress=False)
