@@ -74,13 +74,15 @@ def test_reset_then_a_new_prompt_matches(model):
 
 
 def test_sampling_matches_dynamic_cache_with_the_same_seed(model):
+    """Sampling, two sequences per prompt (generate expands the still empty cache's batch)."""
     inputs = _prompts(seed=4)
+    options = {"do_sample": True, "top_k": 20, "temperature": 0.9, "num_return_sequences": 2}
     torch.manual_seed(5)
-    want = _generate(model, inputs, DynamicCache(), do_sample=True, top_k=20, temperature=0.9)
+    want = _generate(model, inputs, DynamicCache(), **options)
     torch.manual_seed(5)
     cache = TrainStreamCache(model, max_tokens=24, resident_layers=2, page_tokens=2)
-    got = _generate(model, inputs, cache, do_sample=True, top_k=20, temperature=0.9)
-    assert torch.equal(got, want)
+    got = _generate(model, inputs, cache, **options)
+    assert got.shape[0] == 6 and torch.equal(got, want)
 
 
 def test_cache_keyword_of_transformers_5(model):
