@@ -85,6 +85,23 @@ def test_sampling_matches_dynamic_cache_with_the_same_seed(model):
     assert got.shape[0] == 6 and torch.equal(got, want)
 
 
+def test_the_plan_is_an_event_of_a_wrapped_models_session(model, monkeypatch):
+    from trainstream._events import EventLog
+
+    class Session:
+        events = EventLog()
+
+    monkeypatch.setattr(model, "_trainstream_session", Session(), raising=False)
+    cache = TrainStreamCache(model, max_tokens=16, resident_layers=[0, 1], page_tokens=4)
+    _generate(model, _prompts(batch=2), cache, new=3)
+    cache.reset()
+    _generate(model, _prompts(batch=3), cache, new=3)  # a new batch: planned again
+    messages = [e.message for e in Session.events if e.kind == "kvcache"]
+    assert len(messages) == 2
+    assert messages[0].startswith("KV cache: 2 of 4 layers in VRAM (as asked)")
+    assert "layers [2, 3] in host pages of 4 tokens, run in 2 device slots" in messages[0]
+
+
 def test_cache_keyword_of_transformers_5(model):
     inputs = _prompts(seed=6)
     want = model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=0)

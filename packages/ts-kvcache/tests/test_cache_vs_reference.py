@@ -221,7 +221,7 @@ def test_memory_counts_resident_buffers_slots_tails_and_pages():
     for layer in range(5):
         cache.update(layer, k, k)
     itemsize = 4
-    layer_bytes = 2 * 2 * 3 * 12 * 8 * itemsize  # capacity: 10 tokens rounded up to 3 pages
+    layer_bytes = 2 * 2 * 3 * 10 * 8 * itemsize  # capacity: max_tokens
     tail_bytes = 2 * 2 * 3 * 4 * 8 * itemsize
     # 2 resident buffers + 2 slots + 3 tails; 3 offloaded layers x 2 full pages reserved.
     assert cache.memory()["device_bytes"] == 4 * layer_bytes + 3 * tail_bytes

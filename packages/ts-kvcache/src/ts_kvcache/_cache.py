@@ -13,8 +13,6 @@ Ordering on CUDA (nothing here blocks the host, except ``release``):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._args import check_fraction, check_int, check_resident, spread
@@ -242,7 +240,7 @@ class PagedKVCache:
         batch, heads, _new, head_dim = k.shape
         self._geometry = geometry
         itemsize = k.element_size()
-        capacity = self._round(self.max_tokens)
+        capacity = self.max_tokens  # full pages lie below the length, so any capacity holds them
         layer_bytes = 2 * batch * heads * capacity * head_dim * itemsize
         page_bytes = 2 * batch * heads * self.page_tokens * head_dim * itemsize
         if self._resident_spec is not None:
@@ -257,6 +255,8 @@ class PagedKVCache:
         for layer in range(self.num_layers):
             after = [i for i in self._offloaded if i > layer] + [i for i in self._offloaded if i <= layer]
             self._upcoming[layer] = [i for i in after if i != layer][:ahead]
+        self.plan["plans"] = self.plan.get("plans", 0) + 1
+        self.plan["message"] = self._describe(layer_bytes)
         if not self._offloaded:
             return
         shape = (2, batch, heads, capacity, head_dim)
@@ -276,6 +276,21 @@ class PagedKVCache:
                 self._h2d, self._d2h = self._user_streams
             else:
                 self._h2d, self._d2h = torch.cuda.Stream(k.device), torch.cuda.Stream(k.device)
+
+    def _describe(self, layer_bytes: int) -> str:
+        gib = 1 << 30
+        why = "as asked"
+        if self._resident_spec is None:
+            budget = self.plan.get("budget")
+            why = ("auto, on the CPU" if budget is None else
+                   f"auto: {self.vram_fraction:g} of {self.plan['free_vram'] / gib:.2f} GiB free VRAM")
+        text = (f"KV cache: {len(self._resident)} of {self.num_layers} layers in VRAM ({why}), "
+                f"{layer_bytes / gib:.3f} GiB each at {self.max_tokens} tokens")
+        if self._offloaded:
+            slots = min(self.slot_count, len(self._offloaded))
+            text += (f"; layers {self._offloaded} in host pages of {self.page_tokens} tokens, "
+                     f"run in {slots} device slot{'s' if slots > 1 else ''}")
+        return text
 
     def _auto_resident(self, device: torch.device, layer_bytes: int, page_bytes: int) -> list[int]:
         if device.type != "cuda":
@@ -312,9 +327,6 @@ class PagedKVCache:
                 slot.ready.synchronize()
                 slot.ready = None
 
-    def _round(self, tokens: int) -> int:
-        return math.ceil(tokens / self.page_tokens) * self.page_tokens
-
     # ---- resident layers --------------------------------------------------
 
     def _update_resident(self, layer: int, k: torch.Tensor, v: torch.Tensor, n: int):
@@ -322,7 +334,7 @@ class PagedKVCache:
         buffer = self._buffers.get(layer)
         if buffer is None or buffer.shape[3] < end:
             old = buffer
-            capacity = self._round(max(self.max_tokens, end) if old is None else max(end, old.shape[3] * 3 // 2))
+            capacity = max(self.max_tokens, end) if old is None else max(end, old.shape[3] * 3 // 2)
             batch, heads, head_dim, dtype, device = self._geometry
             buffer = torch.empty((2, batch, heads, capacity, head_dim), dtype=dtype, device=device)
             if old is not None:
@@ -424,7 +436,7 @@ class PagedKVCache:
         slot.layer, slot.tokens, slot.prefetched = None, 0, False
 
     def _grow_slots(self, tokens: int) -> None:
-        capacity = self._round(max(tokens, self._capacity * 3 // 2))
+        capacity = max(tokens, self._capacity * 3 // 2)
         batch, heads, head_dim, dtype, device = self._geometry
         for slot in self._slots:
             self._wait_slot(slot)  # the compute stream orders the old buffer's reuse after its copies

@@ -46,10 +46,11 @@ class _PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, kv, index: int):
+    def __init__(self, kv, index: int, events=None):
         super().__init__()
         self.kv = kv
         self.index = index
+        self.events = events  # a wrapped model's decision log, told of each new plan
 
     @property
     def batch_size(self) -> int:
@@ -64,7 +65,11 @@ class _PagedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self.kv.update(self.index, key_states, value_states)
+        plans = self.kv.plan.get("plans")
+        out = self.kv.update(self.index, key_states, value_states)
+        if self.events is not None and self.kv.plan.get("plans") != plans:
+            self.events.add("kvcache", self.kv.plan["message"])
+        return out
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # transformers 4.x passes cache_position
@@ -122,7 +127,8 @@ class TrainStreamCache(Cache):
     tokens expected. Other arguments as ``ts_kvcache.PagedKVCache`` (``kv_options`` are passed
     on: ``slots``, ``copy``, ``streams``, ``arena``); on CUDA the copies use TrainStream's
     H2D / D2H streams unless ``streams`` is given. Greedy or sampling; beam search is refused.
-    Call ``reset()`` before the next prompts; ``.kv`` is the PagedKVCache.
+    Call ``reset()`` before the next prompts; ``.kv`` is the PagedKVCache. On a wrapped model
+    each plan (which layers stay in VRAM, and why) is a ``"kvcache"`` event of its session.
     """
 
     def __init__(
@@ -168,7 +174,9 @@ class TrainStreamCache(Cache):
             vram_fraction=vram_fraction,
             **kv_options,
         )
-        super().__init__(layers=[_PagedLayer(self.kv, i) for i in range(len(types))])
+        session = getattr(model, "_trainstream_session", None)
+        events = getattr(session, "events", None)
+        super().__init__(layers=[_PagedLayer(self.kv, i, events) for i in range(len(types))])
 
     def reset(self) -> None:
         """Forgets every token (buffers and host pages are kept for the next prompts)."""
