@@ -1,9 +1,9 @@
 """OffloadAdamW without a model attached: a plain torch optimizer whose AdamW runs on host threads.
 
-At ``step()`` every gradient is copied to host memory (page-locked for a CUDA parameter, one
-host wait per device for all of them), the fp32 master weights and the moments are updated by
-ts-adamw's host engine, and the rounded weights go back on the caller's current stream, so any
-later GPU work reads the new values without a host wait. The state lives in ``optimizer.state``
+At ``step()`` every gradient is copied to host memory (page-locked for a CUDA parameter), the
+fp32 master weights and the moments are updated by ts-adamw's host engine, each as soon as its own
+gradient has landed while later ones still cross, and the rounded weights go back on the caller's
+current stream, so any later GPU work reads the new values without a host wait. The state lives in ``optimizer.state``
 in ``torch.optim.AdamW``'s format plus ``master_param`` (fp32), which is what ``wrap()`` /
 ``attach()`` continue from and what ``unwrap()`` leaves behind. No hooks, no threads: the
 streaming during backward comes with ``attach(model)``.
@@ -83,22 +83,27 @@ class HostSteps:
             return
         moment = moment_dtype_of(optimizer.wrap_options.get("moment_dtype"))
         self.synchronize()  # the previous uploads read buffers this step rewrites
-        grads = self._gradients_to_host(items)
+        grads, landed = self._gradients_to_host(items)
         for _, p, _, _ in items:
             self._ensure_state(optimizer.state[p], p, moment)
         scale = 1.0
         max_norm = optimizer.wrap_options.get("max_grad_norm")
         if max_norm is not None:
+            for event in landed:
+                if event is not None:
+                    event.synchronize()
             norm = math.sqrt(ts_adamw.sum_of_squares(grads))
             self.last_grad_norm = norm
             scale = min(1.0, max_norm / (norm + 1e-6))  # clip_grad_norm_'s coefficient
-        t0 = time.perf_counter()
         with torch.no_grad():
-            for (index, p, group, _), grad in zip(items, grads):
+            # Each update starts once its own gradient has landed: later copies overlap the host work.
+            for (index, p, group, _), grad, event in zip(items, grads, landed):
+                if event is not None:
+                    event.synchronize()
+                t0 = time.perf_counter()
                 self._update(optimizer.state[p], p, grad, group, scale, index)
-        self.host_seconds += time.perf_counter() - t0
-        for _, p, _, _ in items:
-            self._upload(optimizer.state[p], p)
+                self.host_seconds += time.perf_counter() - t0
+                self._upload(optimizer.state[p], p)
         for device in {p.device for _, p, _, _ in items if p.device.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
@@ -136,25 +141,29 @@ class HostSteps:
                 index += 1
         return items
 
-    def _gradients_to_host(self, items: list) -> list[torch.Tensor]:
-        """Flat host gradients in each parameter's memory order; one host wait per CUDA device."""
-        out, devices = [], set()
+    def _gradients_to_host(self, items: list) -> tuple[list[torch.Tensor], list]:
+        """Flat host gradients in each parameter's memory order, and for each CUDA one the event after
+        which it has landed (None for CPU parameters)."""
+        out, landed = [], []
         for _, p, _, grad in items:
             src = grad_in_memory_order(grad.detach(), p)
             if p.device.type == "cpu":
                 out.append(src)
+                landed.append(None)
                 continue
             buffer = self.grad_host.get(p)
             if buffer is None or buffer.dtype != grad.dtype:
                 buffer = ts_pinned.empty(p.numel(), grad.dtype, tag="grads", allow_pageable=True)
                 self.grad_host[p] = buffer
-            buffer.copy_(src, non_blocking=True)  # on the current stream: after the backward that made it
+            stream = torch.cuda.current_stream(p.device)
+            with torch.cuda.device(p.device):
+                buffer.copy_(src, non_blocking=True)  # on the current stream: after the backward that made it
+            event = torch.cuda.Event()
+            event.record(stream)
             self.d2h_bytes += src.numel() * src.element_size()
-            devices.add(p.device)
             out.append(buffer)
-        for device in devices:
-            torch.cuda.current_stream(device).synchronize()
-        return out
+            landed.append(event)
+        return out, landed
 
     def _ensure_state(self, state: dict, p: torch.Tensor, moment: torch.dtype) -> None:
         """Creates the state from the weight, or brings loaded / migrated state to the layout the host
