@@ -140,9 +140,12 @@ def test_bad_arguments_name_the_valid_values(model):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("resident", [0, 2, LAYERS])
-def test_cuda_greedy_tokens_match_dynamic_cache(model, resident):
-    gpu = LlamaForCausalLM(model.config).to("cuda", torch.bfloat16).eval()
+def test_cuda_greedy_tokens_match_dynamic_cache(model, resident, dtype):
+    """The cache returns exactly torch.cat's values (test_cuda.py); tokens then match unless SDPA
+    treated the strided views differently from DynamicCache's contiguous tensors."""
+    gpu = LlamaForCausalLM(model.config).to("cuda", dtype).eval()
     gpu.load_state_dict(model.state_dict())
     inputs = {k: v.cuda() for k, v in _prompts().items()}
     want = _generate(gpu, inputs, DynamicCache(), new=40)

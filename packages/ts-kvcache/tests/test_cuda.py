@@ -67,6 +67,7 @@ def test_cuda_cache_matches_cat(resident, copy):
 
 
 def test_cuda_auto_plan_keeps_what_fits_and_offloads_the_rest():
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     layers, batch, heads, dim, tokens = 8, 4, 8, 128, 4096
     layer_bytes = 2 * batch * heads * tokens * dim * 2
