@@ -72,8 +72,8 @@ class FakeDevice(Meter):
     """VRAM `budget`; the peak is what the policy in effect keeps plus a `tail`; synchronize()
     advances the clock by a block's forward during the probe, else by the step's cost."""
 
-    def __init__(self, block_bytes, budget_blocks=1.5, recompute_s=3.0, page_s=1.0):
-        super().__init__(budget=int((1 + budget_blocks) * block_bytes), link_bytes_per_s=1e15, host_bytes=1 << 40)
+    def __init__(self, block_bytes, budget_blocks=1.5, recompute_s=3.0, page_s=1.0, link=1e15):
+        super().__init__(budget=int((1 + budget_blocks) * block_bytes), link_bytes_per_s=link, host_bytes=1 << 40)
         self.block_bytes, self.recompute_s, self.page_s = block_bytes, recompute_s, page_s
         self.policy = None  # the ActivationPolicy, set once wrapped
         self.t = 0.0
@@ -178,4 +178,18 @@ def test_recompute_alone_measures_block_0_in_vram_and_recomputes_what_does_not_f
     report = trainstream.memory_report(model)["activations"]
     assert report["policy"] == ["recompute", "recompute", "recompute", "keep"]
     assert report["paging"]["pages"] == 0
+    trainstream.unwrap(model)
+
+
+def test_a_paging_trial_the_link_cannot_win_is_not_run(fake_device):
+    device = fake_device(recompute_s=3.0, page_s=0.1)
+    device._link = device.block_bytes / 10.0  # 3 blocks out and back: 60 s on the link
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    device.policy = model._trainstream_session.activations
+    _run(model, opt, steps=4)
+    report = trainstream.memory_report(model)
+    assert len(report["activations"]["tuning"]["trials"]) == 1
+    assert report["activations"]["policy"] == ["recompute", "recompute", "recompute", "keep"]
+    assert any("not tried: " in e for e in report["events"])
+    assert report["activations"]["paging"]["pages"] <= 10  # block 0's probe pages only
     trainstream.unwrap(model)

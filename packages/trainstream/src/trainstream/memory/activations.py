@@ -226,8 +226,11 @@ class ActivationPolicy:
         if self.offloader is None:
             return
         self.offloader._sweep()
+        expected = 0
+        if self.tuner is not None and self.tuner.measured is not None:
+            expected = len(self.offloaded) * self.tuner.measured.block_bytes  # the next step's setting
         try:
-            grown = self.offloader.grow_pool()
+            grown = self.offloader.grow_pool(expected)
         except MemoryError as error:
             self.offloader.peak_live_bytes = 0
             self._events.add("activations", f"the page pool could not grow ({error}); pages beyond it are "
@@ -235,7 +238,8 @@ class ActivationPolicy:
             return
         if grown:
             self._events.add("activations", f"reserved {grown / 2**30:.2f} GiB more page-locked memory for "
-                                            f"activation pages (the most the last step held at once)")
+                                            f"activation pages (what the next step pages, or the most the "
+                                            f"last step held at once)")
 
     def remove(self) -> None:
         for r in self._recompute.values():

@@ -167,7 +167,10 @@ class ActivationTuner:
         self.measured = Measured(blocks=self.blocks, block_bytes=int(block0_bytes), forward_s=forward_s,
                                  link_bytes_per_s=self.meter.link_bytes_per_s(), room_bytes=room,
                                  host_bytes=self.meter.host_bytes(), reserved_link_bytes=self.reserved_link_bytes())
-        self.current = choose(self.measured, page=self.page, recompute=self.recompute)
+        # With recompute allowed, the probe recomputes the other blocks: no page pool is page-locked
+        # for a setting the trials may reject.
+        self.current = choose(self.measured, page=self.page, recompute=self.recompute,
+                              paged=0 if self.recompute else None)
         where = ("no VRAM limit (CPU)" if budget is None else
                  "none kept in VRAM until this step's peak shows what the rest of the step needs")
         self._event(f"probe: one block saves {block0_bytes / GiB:.3f} GiB for backward and runs forward in "
@@ -214,7 +217,10 @@ class ActivationTuner:
             m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room)})
         if self.phase == "measuring":
             # The probe step is not timed (it synchronized at block 0 and grew the page pool).
-            self.candidates = trial_candidates(m, page=self.page, recompute=self.recompute)
+            # Fewest pages first: a paging trial whose copies alone would take longer than the best
+            # step measured so far is not run (nor its pool page-locked).
+            self.candidates = sorted(trial_candidates(m, page=self.page, recompute=self.recompute),
+                                     key=lambda c: len(c.paged))
             self._trial = 0
             self.phase = "trial"
         else:
@@ -222,11 +228,24 @@ class ActivationTuner:
             self._event(f"trial: {self.describe(self.current)}: {seconds * 1e3:.0f} ms, peak "
                         f"{peak / GiB:.2f} GiB")
             self._trial += 1
+            self._prune(m)
         self.meter.reset_peak()
         if len(self.candidates) > 1 and self._trial < len(self.candidates):
             self.current = self._refit(self.candidates[self._trial], m)
             return self.current
         return self._settle(m)
+
+    def _prune(self, m: Measured) -> None:
+        best = min(t[1] for t in self.trials)
+        left = []
+        for c in self.candidates[self._trial:]:
+            floor = 2 * len(c.paged) * m.block_bytes / m.link_bytes_per_s
+            if floor >= best:
+                self._event(f"not tried: {self.describe(c)}: its pages alone would take {floor * 1e3:.0f} ms "
+                            f"on the link, the best step so far took {best * 1e3:.0f} ms")
+            else:
+                left.append(c)
+        self.candidates = self.candidates[:self._trial] + left
 
     def _refit(self, candidate: Choice, m: Measured) -> Choice:
         """The candidate's share of paged blocks with the kept count the corrected room allows."""

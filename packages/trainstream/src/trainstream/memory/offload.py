@@ -270,13 +270,14 @@ class ActivationOffloader:
             with self._lock:
                 self._live_bytes -= host.numel()
 
-    def grow_pool(self) -> int:
+    def grow_pool(self, expected: int = 0) -> int:
         """Between steps: reserves page-locked slabs for as many page bytes as the last steps held at
-        once, so the next steps carve pages from the arena instead of page-locking (and, on release,
-        synchronizing for) each one on its own. Returns the bytes added (0 when the pool sufficed)."""
+        once (or ``expected``, when more), so the next steps carve pages from the arena instead of
+        page-locking (and, on release, synchronizing for) each one on its own. Returns the bytes
+        added (0 when the pool sufficed)."""
         stats = self.arena.stats()
         free = stats["arena_bytes"] - stats["arena_used"]
-        want = int(self.peak_live_bytes * 1.05) + (4 << 20)
+        want = int(max(self.peak_live_bytes, expected) * 1.05) + (4 << 20)
         self.peak_live_bytes = self._live_bytes
         if want <= free:
             return 0
