@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import ts_adamw
 
+from .attention import check_attention_mode
 from .memory.activations import check_block_choice
 from .memory.quantize import check_quantize
 
@@ -46,6 +47,7 @@ class WrapOptions:
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20
     blocks: Any = None
+    attention: Any = "auto"
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -98,6 +100,7 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
         if not isinstance(getattr(opts, flag), bool):
             raise ValueError(f"{flag}={getattr(opts, flag)!r} is not valid; use True or False")
     opts.device = _device(opts.device)
+    opts.attention = check_attention_mode(opts.attention)
     opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
     opts.recompute = check_block_choice("recompute", opts.recompute)
     opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)

@@ -27,7 +27,7 @@ def _gpu(device: torch.device | None) -> dict:
 
 def memory_report(model: torch.nn.Module | None = None) -> dict:
     """For a wrapped model: ``events``, ``gpu``, ``pinned``, ``pinned_by_tag``, ``transfers``,
-    ``optimizer``, ``resident`` and ``params``; without one: ``gpu``, ``pinned`` and ``pinned_by_tag``."""
+    ``optimizer``, ``resident``, ``params``, ``activations`` and ``attention``; without one: ``gpu``, ``pinned`` and ``pinned_by_tag``."""
     pinned = pinned_stats()
     by_tag = pinned.pop("by_tag")
     session = getattr(model, "_trainstream_session", None) if model is not None else None
@@ -60,4 +60,6 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "params": {"quantize": None} if session.quantized is None else dict(session.quantized),
         "activations": session.activations.report(),
     })
+    if session.attention is not None:
+        report["attention"] = session.attention.report()
     return report

@@ -11,6 +11,7 @@ import ts_pinned
 
 from ._events import EventLog
 from ._options import WrapOptions
+from .attention import AttentionChooser
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
@@ -45,7 +46,8 @@ class TrainStreamSession:
     """Holds the engine, the hooks and the decision log of one wrapped model.
 
     ``.events`` is the decision log, ``.config`` the options in effect, ``.steps``
-    the optimizer steps so far, ``.adapting`` True until the placement is final.
+    the optimizer steps so far, ``.adapting`` True until the placement is final, ``.attention``
+    the attention chooser, ``.peer`` the peer-GPU pools (None until ts-peer).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device):
@@ -61,6 +63,7 @@ class TrainStreamSession:
         self.engine = None
         self.guard = None
         self.activations = None
+        self.attention = self._attention = None
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
@@ -113,6 +116,9 @@ class TrainStreamSession:
             self.guard = ForwardGuard(model, self.engine)
             self.activations = ActivationPolicy(model, options, device, self.arena, self.events,
                                                 reserved_link_bytes=self._upload_bytes_per_step)
+            self.attention = AttentionChooser(options.attention, events=self.events,
+                                              may_reset_peak=lambda: self.adapting)
+            self._attention = self.attention.install(model)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
             self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
             self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
@@ -220,6 +226,9 @@ class TrainStreamSession:
             if self.engine is not None:
                 self.engine.close()
         finally:
+            if self._attention is not None:
+                self._attention.remove()
+                self._attention = None
             if self.activations is not None:
                 self.activations.remove()
             if self.guard is not None:
