@@ -42,7 +42,7 @@ def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _fp64(h, w, t):
-    return _grads(lambda a, b: F.cross_entropy(F.linear(a, b), t), h.double().cpu(), w.double().cpu(),
+    return _grads(lambda a, b: F.cross_entropy(F.linear(a, b), t.cpu()), h.double().cpu(), w.double().cpu(),
                   autocast=None)
 
 
