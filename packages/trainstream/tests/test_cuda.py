@@ -350,3 +350,33 @@ def test_auto_fits_a_capped_gpu_and_trains_exactly_like_keeping():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 0.05}, {"accumulation_steps": 2}])
+def test_resident_state_updates_in_one_fused_launch_like_torch_adamw(options):
+    """After offload='auto' moves the state to VRAM, no per-tensor hook is left and step() updates
+    every parameter in one fused launch; the numbers follow torch's AdamW (fp32 model)."""
+    torch.manual_seed(0)
+    model = tiny_llama().cuda()
+    twin = copy.deepcopy(model)
+    ours, opt = trainstream.wrap(model, lr=1e-3, **options)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
+    opt.param_groups[0]["weight_decay"] = 0.0
+    data = batches(8, seed=3)
+    micro = options.get("accumulation_steps", 1)
+    for i, ids in enumerate(data):
+        ids = ids.cuda()
+        loss_of(ours, ids).div(micro).backward()
+        loss_of(twin, ids).div(micro).backward()
+        if (i + 1) % micro == 0:
+            if "max_grad_norm" in options:
+                torch.nn.utils.clip_grad_norm_(twin.parameters(), options["max_grad_norm"])
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    ours._trainstream_session.synchronize()
+    slots = ours._trainstream_session.engine.active
+    assert all(s.placement == "device" and s.hook is None for s in slots)
+    assert max_param_diff(ours, twin) < 1e-5
+    trainstream.unwrap(ours)

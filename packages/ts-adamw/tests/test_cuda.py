@@ -139,3 +139,27 @@ def test_runs_on_the_given_stream():
     side.synchronize()
     ref, _ = _torch_reference(params0, grads[:2])
     assert (p - ref[0]).abs().max().item() <= 1e-6
+
+
+def test_keyed_batch_rounds_exactly_as_single_updates():
+    """bf16 moments round stochastically: with keys, one fused launch over several tensors writes
+    the same bits as one launch per tensor under the same keys (the engine's resident path)."""
+    params0, grads = _data([100_000, 4097, 3], "cuda", seed=4)
+    runs = []
+    for batched in (False, True):
+        ps = [p.clone() for p in params0]
+        ms = [torch.zeros(p.shape, dtype=torch.bfloat16, device="cuda") for p in ps]
+        vs = [torch.zeros(p.shape, dtype=torch.bfloat16, device="cuda") for p in ps]
+        outs = [torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in ps]
+        keys = [7, 70, 700]
+        for step, gs in enumerate(grads[:6], 1):
+            if batched:
+                ts_adamw.cuda_adamw_step(ps, gs, ms, vs, params_out=outs, seed=5, keys=keys, **_kw(step))
+            else:
+                for i in range(3):
+                    ts_adamw.cuda_adamw_step([ps[i]], [gs[i]], [ms[i]], [vs[i]], params_out=[outs[i]], seed=5,
+                                             keys=[keys[i]], **_kw(step))
+        torch.cuda.synchronize()
+        runs.append((ps, ms, vs, outs))
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

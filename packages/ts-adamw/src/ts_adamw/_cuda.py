@@ -21,7 +21,7 @@ def cuda_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
                     exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, step: int, maximize: bool = False, grad_scale: float = 1.0,
                     params_out: list[torch.Tensor] | None = None, stream: int | torch.cuda.Stream | None = None,
-                    seed: int = 0) -> None:
+                    seed: int = 0, keys: list[int] | None = None) -> None:
     """Fused AdamW over lists of tensors, enqueued on ``stream`` (default: the current stream); never syncs.
 
     Same math and dtypes as ``adamw_step``. Each tensor is a CUDA tensor (all on one GPU) or a page-locked
@@ -29,6 +29,8 @@ def cuda_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
     useful when moments and fp32 master weights live in host RAM). ``params_out`` (e.g. bf16 weights on the
     GPU) gets the new weights rounded to nearest even in the same pass. No two buffers may share memory
     (gradients aside); the written tensors' version counters are bumped. RuntimeError without CUDA.
+    ``keys``: one integer per tensor naming its stochastic-rounding stream (default: its position),
+    so a tensor rounds the same whether it is updated alone or in a batch.
     """
     if not _core.built_with_cuda:
         raise RuntimeError("cuda_adamw_step needs CUDA, but ts_adamw was built without it; reinstall with a "
@@ -43,8 +45,17 @@ def cuda_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
         if stream is None:
             stream = torch.cuda.current_stream(device)
         handle = stream if isinstance(stream, int) else stream.cuda_stream
-        _core.cuda_step(*lists, outs, [], scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"),
+        _core.cuda_step(*lists, outs, _keys(keys, len(lists[0])), scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"),
                         scalar(eps, "eps"), scalar(weight_decay, "weight_decay"), step_number(step), bool(maximize),
                         scalar(grad_scale, "grad_scale"), seed_number(seed), handle)
     # The writes are queued on the stream; autograd's bookkeeping is by program order, so bump now.
     bump_versions((*params, *exp_avgs, *exp_avg_sqs, *(params_out or ())))
+
+
+def _keys(keys, count: int) -> list[int]:
+    if keys is None:
+        return []
+    keys = list(keys)
+    if len(keys) != count or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**32 for k in keys):
+        raise ValueError(f"keys must be {count} integers in [0, 2**32), one per tensor; got {keys!r}")
+    return keys

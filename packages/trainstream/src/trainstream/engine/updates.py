@@ -23,7 +23,7 @@ import ts_adamw
 from .channel import UploadMarks
 from .slots import ParamSlot, SlotState, flat
 
-__all__ = ["HostUpdater", "Hyper", "hyper_of", "launch_device_update"]
+__all__ = ["HostUpdater", "Hyper", "hyper_of", "launch_device_update", "launch_device_updates"]
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,16 @@ class Hyper:
     weight_decay: float
     maximize: bool
     grad_scale: float
-    seed: int
+    seed: int  # this parameter's stochastic-rounding stream (host updates)
+    run_seed: int = 0  # the run's stream; device updates name the parameter by its index instead
 
     def kwargs(self, step: int) -> dict:
         return {"lr": self.lr, "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
                 "weight_decay": self.weight_decay, "step": step, "maximize": self.maximize,
                 "grad_scale": self.grad_scale, "seed": self.seed}
+
+    def device_kwargs(self, step: int) -> dict:
+        return {**self.kwargs(step), "seed": self.run_seed}
 
 
 def _number(where: str, key: str, value, low: float, high: float = math.inf, *, closed_high: bool = True) -> float:
@@ -73,6 +77,7 @@ def hyper_of(slot: ParamSlot, grad_scale: float, seed: int) -> Hyper:
         grad_scale=float(grad_scale),
         # Distinct stochastic-rounding streams per parameter, reproducible across runs.
         seed=(seed * 1_000_003 + slot.index) & 0xFFFFFFFF,
+        run_seed=(seed * 1_000_003) & 0xFFFFFFFF,
     )
 
 
@@ -80,13 +85,27 @@ def launch_device_update(slot: ParamSlot, grad: torch.Tensor, h: Hyper, channel,
     """Queues the CUDA AdamW kernel of a device or mapped slot on the optimizer stream, after
     `after` (the compute work that produced the gradient, a flat memory-order view); returns its
     completion event. The caller counts the step."""
+    return launch_device_updates([(slot, grad, h)], channel, after)
+
+
+def launch_device_updates(batch: list[tuple[ParamSlot, torch.Tensor, Hyper]], channel, after) -> torch.cuda.Event:
+    """One fused multi-tensor launch per set of equal hyper-parameters (usually one per step), on
+    the optimizer stream after `after`; each tensor keeps its own rounding stream (its index), so a
+    batch rounds exactly as single updates would. Returns the event after the last launch."""
     stream = channel.optimizer
     stream.wait_event(after)
+    groups: dict[tuple, list] = {}
+    for slot, grad, h in batch:
+        kwargs = h.device_kwargs(slot.step + 1)
+        groups.setdefault(tuple(sorted(kwargs.items())), []).append((slot, grad))
     with torch.cuda.device(channel.device), torch.cuda.stream(stream):
-        ts_adamw.cuda_adamw_step([slot.master], [grad], [slot.exp_avg], [slot.exp_avg_sq],
-                                 params_out=[flat(slot.param.data)], stream=stream.cuda_stream,
-                                 **h.kwargs(slot.step + 1))
-        grad.record_stream(stream)
+        for key, items in groups.items():
+            ts_adamw.cuda_adamw_step([s.master for s, _ in items], [g for _, g in items],
+                                     [s.exp_avg for s, _ in items], [s.exp_avg_sq for s, _ in items],
+                                     params_out=[flat(s.param.data) for s, _ in items], stream=stream.cuda_stream,
+                                     keys=[s.index & 0xFFFFFFFF for s, _ in items], **dict(key))
+            for _, grad in items:
+                grad.record_stream(stream)
         done = torch.cuda.Event()
         done.record(stream)
     return done
