@@ -190,6 +190,75 @@ void fused_linear(int format, AnyArray x, ByteArray codes, AnyArray scales,
 #endif
 }
 
+// ---- the hot path of quantized_linear (ts_quant._plan) --------------------------------------------
+// Addresses (ints) instead of DLPack tensors: a tensor costs about 2 us to export, an int 0.04 us.
+// The caller validated the tensors behind these addresses once, through the checked entry points
+// above, and checks per call what can change; these functions can only check the scalars.
+
+ts::ScalarKind out_kind_of(int kind) {
+    TS_CHECK_ARG(kind >= 0 && kind <= 2, "out_kind must be 0 (float32), 1 (bfloat16) or 2 (float16), got ", kind);
+    return static_cast<ts::ScalarKind>(kind);  // ScalarKind starts float32, bfloat16, float16
+}
+
+void dequantize_at(int format, uintptr_t data, uintptr_t scales, uintptr_t global, uintptr_t out, int out_kind,
+                   int64_t n, int64_t block, int64_t rows, int64_t cols, int device, uintptr_t stream) {
+    Geometry geo = make_geometry(format, n, block, rows, cols);
+    const ts::ScalarKind kind = out_kind_of(out_kind);
+    TS_CHECK_ARG(data && scales && out && (geo.format != Format::nvfp4 || global), "dequantize_at: a null address");
+    const auto* d = reinterpret_cast<const uint8_t*>(data);
+    const auto* s = reinterpret_cast<const void*>(scales);
+    const auto* g = reinterpret_cast<const float*>(global);
+    void* o = reinterpret_cast<void*>(out);
+    if (geo.n == 0) return;
+    if (device >= 0) {
+#ifdef TS_WITH_CUDA
+        dequantize_cuda(geo, d, s, g, o, kind, device, stream);
+#else
+        ts::cuda_unavailable("dequantize on a CUDA tensor");
+#endif
+        return;
+    }
+    nb::gil_scoped_release release;
+    dequantize_cpu(geo, d, s, g, o, kind);
+}
+
+nb::bytes fused_code_map(int format, ByteArray codes, int64_t n, int64_t k) {
+    TS_CHECK_ARG(format == int(Format::int8) || format == int(Format::nf4) || format == int(Format::nvfp4),
+                 "fused_code_map: format must be int8, nf4 or nvfp4");
+    TS_CHECK_ARG(ts::is_cuda(codes) && n > 0 && k > 0 &&
+                     codes.size() >= size_t(format == int(Format::int8) ? n * k : n * k / 2),
+                 "fused_code_map: codes must be a CUDA tensor of an [n, k] weight");
+    TS_CHECK_ARG(reinterpret_cast<uintptr_t>(codes.data()) % 16 == 0, "fused_code_map: codes must be 16-byte aligned");
+#ifdef TS_WITH_SM90A
+    char map[kFusedCodeMapBytes];
+    fused_code_map_sm90(static_cast<Format>(format), codes.data(), n, k, map);
+    return nb::bytes(map, sizeof(map));
+#else
+    throw_fused_unavailable("fused_code_map: this build is missing sm_90a");
+#endif
+}
+
+void fused_linear_at(int format, uintptr_t x, int64_t m, int64_t k, nb::bytes code_map, uintptr_t scales,
+                     uintptr_t global, int64_t block, int64_t n, uintptr_t bias, uintptr_t out, uintptr_t workspace,
+                     uintptr_t flags, int64_t slots, uintptr_t epoch, int device, uintptr_t stream, int tile_m) {
+    TS_CHECK_ARG(format == int(Format::int8) || format == int(Format::nf4) || format == int(Format::nvfp4),
+                 "fused_linear_at: format must be int8, nf4 or nvfp4");
+    TS_CHECK_ARG(code_map.size() == kFusedCodeMapBytes, "fused_linear_at: code_map must come from fused_code_map");
+    TS_CHECK_ARG(x && scales && out && workspace && flags && epoch && epoch % 8 == 0 && x % 16 == 0 &&
+                     scales % 16 == 0 && (format != int(Format::nvfp4) || global),
+                 "fused_linear_at: a null or misaligned address");
+#ifdef TS_WITH_SM90A
+    fused_linear_sm90_mapped(static_cast<Format>(format), reinterpret_cast<const void*>(x), m, k, code_map.c_str(),
+                             reinterpret_cast<const void*>(scales), reinterpret_cast<const float*>(global), block, n,
+                             reinterpret_cast<const void*>(bias), reinterpret_cast<void*>(out), tile_m,
+                             reinterpret_cast<float*>(workspace), reinterpret_cast<int*>(flags), slots,
+                             reinterpret_cast<unsigned long long*>(epoch), device, stream);
+#else
+    (void)m, (void)k, (void)block, (void)n, (void)bias, (void)device, (void)stream, (void)tile_m, (void)slots;
+    throw_fused_unavailable("fused_linear_at: this build is missing sm_90a");
+#endif
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -213,4 +282,15 @@ NB_MODULE(_core, m) {
           nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("workspace").noconvert(),
           nb::arg("flags").noconvert(), nb::arg("epoch").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
           "out = x @ dequantize(W)^T (+ bias) on Hopper tensor cores, decoding int8/nf4/nvfp4 codes in registers.");
+    m.def("dequantize_at", &dequantize_at, nb::arg("format"), nb::arg("data"), nb::arg("scales"), nb::arg("global_scale"),
+          nb::arg("out"), nb::arg("out_kind"), nb::arg("n"), nb::arg("block"), nb::arg("rows"), nb::arg("cols"),
+          nb::arg("device"), nb::arg("stream"),
+          "dequantize by addresses (device -1: the CPU), for tensors validated once by the caller.");
+    m.def("fused_code_map", &fused_code_map, nb::arg("format"), nb::arg("codes"), nb::arg("n"), nb::arg("k"),
+          "The codes' TMA descriptor (opaque bytes) for fused_linear_at.");
+    m.def("fused_linear_at", &fused_linear_at, nb::arg("format"), nb::arg("x"), nb::arg("m"), nb::arg("k"),
+          nb::arg("code_map"), nb::arg("scales"), nb::arg("global_scale"), nb::arg("block"), nb::arg("n"),
+          nb::arg("bias"), nb::arg("out"), nb::arg("workspace"), nb::arg("flags"), nb::arg("slots"), nb::arg("epoch"),
+          nb::arg("device"), nb::arg("stream"), nb::arg("tile_m") = 0,
+          "fused_linear by addresses, with a code map from fused_code_map, for operands validated once by the caller.");
 }

@@ -38,6 +38,9 @@ def fake_path(monkeypatch):
         monkeypatch.setattr(_linear, "linear_path", lambda x, q: path)
         monkeypatch.setattr(module, attr, stand_in)
         monkeypatch.setattr(_linear, "_broken", set())
+        # The per-weight plans choose paths once, from the real linear_path (test_plan_cache.py covers
+        # their fallback): these tests drive the path choice per call.
+        monkeypatch.setitem(_linear._settings, "cache", False)
         return Fake
 
     return install

@@ -24,6 +24,9 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstring>
+
 #include "cuda_decode.cuh"
 #include "fused_linear.h"
 #include "sm90/ptx.cuh"
@@ -456,18 +459,41 @@ CUtensorMap tensor_map_2d(CUtensorMapDataType type, const void* base, int64_t in
     return map;
 }
 
+template <Format F>
+constexpr int code_row_bytes() {
+    return StageLayout<F, 64>::kCodeRowBytes;  // the same for every BM
+}
+
+static_assert(sizeof(CUtensorMap) == kFusedCodeMapBytes, "fused_linear.h's size of a tensor map");
+
+CUtensorMap code_map_for(Format format, const uint8_t* codes, int64_t n, int64_t k) {
+    const int box = format == Format::int8 ? code_row_bytes<Format::int8>() : code_row_bytes<Format::nf4>();
+    static_assert(code_row_bytes<Format::nf4>() == code_row_bytes<Format::nvfp4>(), "4-bit rows agree");
+    const int64_t row_bytes = k * box / kTileK;
+    return tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, codes, row_bytes, n, row_bytes, box, kTileN,
+                         CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+// cudaFuncSetAttribute costs a driver call per launch; it holds per (kernel, device) once it succeeded.
+// Devices 0..63 are remembered in one bit each (3 formats x 3 tile widths); others set it every time.
+std::atomic<uint64_t> g_smem_set[3][3];
+
+int tile_index(int bm) { return bm == 64 ? 0 : (bm == 128 ? 1 : 2); }
+
 template <Format F, int BM>
-void launch(const void* x, const uint8_t* codes, const FusedArgs& a, const Partials& partials, int max_grid,
-            cudaStream_t stream) {
+void launch(const void* x, const CUtensorMap& code_map, const FusedArgs& a, const Partials& partials, int max_grid,
+            int device, cudaStream_t stream) {
     using L = StageLayout<F, BM>;
     const CUtensorMap x_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, x, a.k, a.m, int64_t(a.k) * 2,
                                             kTileK, BM, CU_TENSOR_MAP_SWIZZLE_128B);
-    const int64_t row_bytes = int64_t(a.k) * L::kCodeRowBytes / kTileK;
-    const CUtensorMap code_map = tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, codes, row_bytes, a.n, row_bytes,
-                                               L::kCodeRowBytes, kTileN, CU_TENSOR_MAP_SWIZZLE_NONE);
     auto kernel = fused_linear_kernel<F, BM>;
-    check_available(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::kSmem)),
-                    "cudaFuncSetAttribute");
+    std::atomic<uint64_t>& set = g_smem_set[int(F) == int(Format::int8) ? 0 : (F == Format::nf4 ? 1 : 2)][tile_index(BM)];
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (!bit || !(set.load(std::memory_order_relaxed) & bit)) {
+        check_available(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::kSmem)),
+                        "cudaFuncSetAttribute");
+        set.fetch_or(bit, std::memory_order_relaxed);
+    }
     Schedule sched{};
     sched.tiles_n = (a.n + kTileN - 1) / kTileN;
     sched.k_tiles = a.k / kTileK;
@@ -478,14 +504,36 @@ void launch(const void* x, const uint8_t* codes, const FusedArgs& a, const Parti
 }
 
 template <Format F>
-void launch_format(const void* x, const uint8_t* codes, const FusedArgs& a, int tile_m, const Partials& p,
-                   int max_grid, cudaStream_t stream) {
+void launch_format(const void* x, const CUtensorMap& code_map, const FusedArgs& a, int tile_m, const Partials& p,
+                   int max_grid, int device, cudaStream_t stream) {
     switch (tile_m) {
-        case 64: return launch<F, 64>(x, codes, a, p, max_grid, stream);
-        case 128: return launch<F, 128>(x, codes, a, p, max_grid, stream);
-        case 256: return launch<F, 256>(x, codes, a, p, max_grid, stream);
+        case 64: return launch<F, 64>(x, code_map, a, p, max_grid, device, stream);
+        case 128: return launch<F, 128>(x, code_map, a, p, max_grid, device, stream);
+        case 256: return launch<F, 256>(x, code_map, a, p, max_grid, device, stream);
         default: ts::throw_value_error("fused linear: tile_m must be 0 (auto), 64, 128 or 256, got ", tile_m);
     }
+}
+
+// The SM count per device (constant for the process; a driver query per call otherwise).
+std::atomic<int> g_sms[64];
+
+int sm_count(int device) {
+    if (device >= 0 && device < 64) {
+        if (const int cached = g_sms[device].load(std::memory_order_relaxed)) return cached;
+    }
+    int sms = 0;
+    TS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (device >= 0 && device < 64) g_sms[device].store(sms, std::memory_order_relaxed);
+    return sms;
+}
+
+void check_geometry(Format format, int64_t m, int64_t k, int64_t block, int64_t n) {
+    TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
+    TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
+    TS_CHECK_ARG((block & (block - 1)) == 0 && (format == Format::nvfp4 ? block == 16 : block >= 32),
+                 "fused linear: int8 and nf4 blocks must be a power of two >= 32 (nvfp4: 16), got ", block);
+    TS_CHECK_ARG(m >= 0 && n > 0 && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
+                 "fused linear: sizes out of range");
 }
 
 }  // namespace
@@ -498,35 +546,48 @@ bool fused_linear_supported(int device) {
     return major == 9 && minor == 0;
 }
 
-void fused_linear_sm90(Format format, const void* x, int64_t m, int64_t k, const uint8_t* codes,
-                       const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
-                       void* out, int tile_m, float* workspace, int* flags, int64_t slots,
-                       unsigned long long* epoch, int device, uintptr_t stream) {
-    TS_CHECK_ARG(format != Format::fp8, "fused linear: fp8 weights take the scaled_mm path");
-    TS_CHECK_ARG(k % kTileK == 0 && k > 0, "fused linear: in_features must be a positive multiple of 64, got ", k);
-    TS_CHECK_ARG((block & (block - 1)) == 0 && (format == Format::nvfp4 ? block == 16 : block >= 32),
-                 "fused linear: int8 and nf4 blocks must be a power of two >= 32 (nvfp4: 16), got ", block);
-    TS_CHECK_ARG(m >= 0 && n > 0 && m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
-                 "fused linear: sizes out of range");
+void fused_code_map_sm90(Format format, const uint8_t* codes, int64_t n, int64_t k, void* map_out) {
+    check_geometry(format, 0, k, format == Format::nvfp4 ? 16 : 32, n);
+    const CUtensorMap map = code_map_for(format, codes, n, k);
+    std::memcpy(map_out, &map, sizeof(CUtensorMap));
+}
+
+void fused_linear_sm90_mapped(Format format, const void* x, int64_t m, int64_t k, const void* code_map,
+                              const void* scales, const float* global_scale, int64_t block, int64_t n,
+                              const void* bias, void* out, int tile_m, float* workspace, int* flags, int64_t slots,
+                              unsigned long long* epoch, int device, uintptr_t stream) {
+    check_geometry(format, m, k, block, n);
     if (m == 0) return;
     if (tile_m == 0) tile_m = m <= 64 ? 64 : (m <= 128 ? 128 : 256);  // the widest tile the rows fill
     TS_CHECK_ARG(slots >= 1, "fused linear: the workspace needs at least one slot");
     ts::CudaDeviceGuard guard(device);
     auto s = reinterpret_cast<cudaStream_t>(stream);
-    int sms = 0;
-    TS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int sms = sm_count(device);
     const int max_grid = int(slots < sms ? slots : sms);  // one resident CTA per SM, one slot per CTA
     const Partials partials{workspace, flags, epoch};
     int shift = 0;
     while ((int64_t(1) << shift) < block) ++shift;
     const FusedArgs a{static_cast<const uint8_t*>(scales), global_scale, static_cast<const __nv_bfloat16*>(bias),
                       static_cast<__nv_bfloat16*>(out), int(m), int(n), int(k), shift};
+    alignas(64) CUtensorMap map;  // the kernel takes it by value (__grid_constant__): 64-byte aligned here
+    std::memcpy(&map, code_map, sizeof(CUtensorMap));
     switch (format) {
-        case Format::int8: return launch_format<Format::int8>(x, codes, a, tile_m, partials, max_grid, s);
-        case Format::nf4: return launch_format<Format::nf4>(x, codes, a, tile_m, partials, max_grid, s);
-        case Format::nvfp4: return launch_format<Format::nvfp4>(x, codes, a, tile_m, partials, max_grid, s);
+        case Format::int8: return launch_format<Format::int8>(x, map, a, tile_m, partials, max_grid, device, s);
+        case Format::nf4: return launch_format<Format::nf4>(x, map, a, tile_m, partials, max_grid, device, s);
+        case Format::nvfp4: return launch_format<Format::nvfp4>(x, map, a, tile_m, partials, max_grid, device, s);
         default: break;
     }
+}
+
+void fused_linear_sm90(Format format, const void* x, int64_t m, int64_t k, const uint8_t* codes,
+                       const void* scales, const float* global_scale, int64_t block, int64_t n, const void* bias,
+                       void* out, int tile_m, float* workspace, int* flags, int64_t slots,
+                       unsigned long long* epoch, int device, uintptr_t stream) {
+    check_geometry(format, m, k, block, n);
+    if (m == 0) return;
+    const CUtensorMap map = code_map_for(format, codes, n, k);
+    fused_linear_sm90_mapped(format, x, m, k, &map, scales, global_scale, block, n, bias, out, tile_m, workspace,
+                             flags, slots, epoch, device, stream);
 }
 
 }  // namespace ts_quant

@@ -41,4 +41,14 @@ void fused_linear_sm90(Format format, const void* x, int64_t m, int64_t k, const
                        void* out, int tile_m, float* workspace, int* flags, int64_t slots,
                        unsigned long long* epoch, int device, uintptr_t stream);
 
+// The hot path of quantized_linear (ts_quant._plan): the codes' TMA descriptor is built once per weight
+// (fused_code_map_sm90 writes kFusedCodeMapBytes opaque bytes) and handed back on every call, with the
+// other operands as addresses the caller validated once through fused_linear_sm90's checked binding.
+constexpr size_t kFusedCodeMapBytes = 128;  // sizeof(CUtensorMap)
+void fused_code_map_sm90(Format format, const uint8_t* codes, int64_t n, int64_t k, void* map_out);
+void fused_linear_sm90_mapped(Format format, const void* x, int64_t m, int64_t k, const void* code_map,
+                              const void* scales, const float* global_scale, int64_t block, int64_t n,
+                              const void* bias, void* out, int tile_m, float* workspace, int* flags, int64_t slots,
+                              unsigned long long* epoch, int device, uintptr_t stream);
+
 }  // namespace ts_quant

@@ -18,7 +18,7 @@ from . import _core
 from ._formats import FORMAT_IDS
 from ._tensor import QuantizedTensor
 
-__all__ = ["FusedLinearUnavailable", "fused_linear", "fused_linear_reason"]
+__all__ = ["FusedLinearUnavailable", "fused_linear", "fused_linear_reason", "fused_weight_reason"]
 
 # Raised (by _core or here) where the fused kernel cannot run: a device other than compute capability
 # 9.0, a build without sm_90a, a driver or operands it does not take. The one error on which
@@ -38,26 +38,32 @@ def _device_available(device: torch.device) -> bool:
 
 def fused_linear_reason(x2d: torch.Tensor, q: QuantizedTensor) -> str | None:
     """None when fused_linear can take these operands, else why not (for linear_path's report)."""
+    reason = fused_weight_reason(q, x2d.device, x2d.dtype)
+    if reason is None and x2d.is_contiguous() and x2d.data_ptr() % 16:  # a strided x is copied (aligned) first
+        return "x is not 16-byte aligned"
+    return reason
+
+
+def fused_weight_reason(q: QuantizedTensor, device: torch.device, dtype: torch.dtype) -> str | None:
+    """fused_linear_reason for any x on `device` in `dtype` (all but x's alignment)."""
     k = q.shape[1]
     block = q.block_size
     if q.format not in FUSED_FORMATS:
         return f"{q.format} weights are not decoded by the fused kernel"
-    if x2d.dtype != torch.bfloat16:
-        return f"x is {x2d.dtype}, the fused kernel takes bfloat16"
+    if dtype != torch.bfloat16:
+        return f"x is {dtype}, the fused kernel takes bfloat16"
     if k % 64:
         return f"in_features={k} is not a multiple of 64"
     if block & (block - 1) or (q.format != "nvfp4" and block < 32):
         return f"block_size={block} is not a power of two >= 32"
-    if x2d.device.type != "cuda":
-        return f"x is on {x2d.device}; the fused kernel takes CUDA tensors"
+    if device.type != "cuda":
+        return f"x is on {device}; the fused kernel takes CUDA tensors"
     if not _core.built_with_sm90a:
         return "this build is missing sm_90a (reinstall with 90 in TS_CUDA_ARCHITECTURES and a CUDA toolkit)"
-    if not _device_available(x2d.device):
+    if not _device_available(device):
         return "needs a compute capability 9.0 GPU (H100/H200)"
     if q.data.data_ptr() % 16 or (not q.double_quant and q.scales.data_ptr() % 16):
         return "the codes or scales are not 16-byte aligned"
-    if x2d.is_contiguous() and x2d.data_ptr() % 16:  # a strided x is copied (aligned) first
-        return "x is not 16-byte aligned"
     return None
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _fused, _scaled
+from . import _fused, _plan, _scaled
 from ._tensor import QuantizedTensor, quantize
 from ._tiled import tiled_linear
 
@@ -18,16 +18,21 @@ __all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
 # fused: the Hopper fused kernel where it applies, up to fused_max_rows rows of x. Measured on the
 # H200 (W 13824x5120, docs/quant.md): fused is faster up to 1024 rows, one dequantize plus cuBLAS's
 # bf16 matmul from 1536 rows on.
-_settings = {"tiles": 1, "fused": True, "fused_max_rows": 1024}
+_settings = {"tiles": 1, "fused": True, "fused_max_rows": 1024, "cache": True}
 # torch scaled_mm paths this torch build refused (its feature checks fail the same way on every call).
 # The fused path is never put here: it says per call, by FusedLinearUnavailable, when it cannot run.
 _broken: set[str] = set()
+# Bumped whenever _settings or _broken change: per-weight plans (_plan.py) made before are stale.
+_generation = [0]
 
 
-def configure_linear(tiles: int | None = None, fused: bool | None = None, fused_max_rows: int | None = None) -> dict:
+def configure_linear(tiles: int | None = None, fused: bool | None = None, fused_max_rows: int | None = None,
+                     cache: bool | None = None) -> dict:
     """Sets the row tiles of the overlapped dequantize+matmul path (default 1: no tiling), whether the
     Hopper fused kernel is used where it applies (default True) and up to how many rows of x (default
-    1024). Returns the settings."""
+    1024), and whether quantized_linear caches per weight what is constant between calls (default True;
+    False checks and chooses everything on every call, the slow reference). Returns the settings."""
+    _generation[0] += 1
     if fused is not None:
         if not isinstance(fused, bool):
             raise ValueError(f"fused={fused!r} must be True or False")
@@ -36,6 +41,10 @@ def configure_linear(tiles: int | None = None, fused: bool | None = None, fused_
         if isinstance(fused_max_rows, bool) or not isinstance(fused_max_rows, int) or fused_max_rows < 0:
             raise ValueError(f"fused_max_rows={fused_max_rows!r} must be an int >= 0")
         _settings["fused_max_rows"] = fused_max_rows
+    if cache is not None:
+        if not isinstance(cache, bool):
+            raise ValueError(f"cache={cache!r} must be True or False")
+        _settings["cache"] = cache
     if tiles is not None:
         if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
             raise ValueError(f"tiles={tiles!r} must be an int >= 1")
@@ -127,6 +136,7 @@ def _forward(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, o
                 raise
             # torch's own checks refused the call: this torch build lacks the path; fall back once, loudly.
             _broken.add(path)
+            _generation[0] += 1
             warnings.warn(f"ts_quant: {path} failed ({error}); using dequantize + matmul from now on",
                           RuntimeWarning, stacklevel=3)
             path = linear_path(x2d, q)
@@ -135,25 +145,91 @@ def _forward(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, o
     return F.linear(x2d, q.dequantize(x2d.dtype), bias)
 
 
+def _build_plan(x: torch.Tensor, q: QuantizedTensor) -> _plan.LinearPlan:
+    """A plan for x's device and dtype, its paths chosen as linear_path chooses them (operands checked)."""
+    generation = _generation[0]
+    small = large = "dequantize"
+    max_rows = 0
+    if x.device.type == "cuda":
+        probe = x.new_empty((0, q.shape[1]))  # linear_path's answer for no rows: all but the fused row limit
+        large = linear_path(probe, q)
+        if large == "fused_sm90":
+            large = _unfused_path(q)
+        small = large
+        if _settings["fused"] and _fused.fused_weight_reason(q, x.device, x.dtype) is None and \
+                large == _unfused_path(q):
+            small, max_rows = "fused_sm90", _settings["fused_max_rows"]
+    plan = _plan.LinearPlan(q, x.device, small, large, max_rows, generation)
+    q._cache[(x.device, x.dtype)] = plan
+    return plan
+
+
+def _run(x: torch.Tensor, q: QuantizedTensor, plan: _plan.LinearPlan | None, bias: torch.Tensor | None,
+         outliers: float) -> torch.Tensor:
+    """The forward for x of any rank; `plan` None: the unplanned path (every choice made again)."""
+    if plan is None:
+        return _unplanned(x, q, bias, outliers)
+    if plan.small == "fused_sm90":
+        k = plan.k
+        m = x.numel() // k if k else 0
+        if m <= plan.max_rows:
+            contiguous = x.is_contiguous()
+            if contiguous and x.data_ptr() % 16:
+                pass  # linear_path: a contiguous misaligned x takes the unfused path (a strided one is copied)
+            elif bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_contiguous()
+                                           and bias.device == x.device):
+                return _unplanned(x, q, bias, outliers)  # the checked call says what is wrong with bias
+            else:
+                try:
+                    return plan.fused(x if contiguous else x.contiguous(), bias, m)
+                except _fused.FusedLinearUnavailable as error:  # this call only: the path stays on
+                    warnings.warn(f"ts_quant: fused_sm90 cannot run here ({error}); this call uses dequantize + "
+                                  "matmul", RuntimeWarning, stacklevel=4)
+    if plan.large == "dequantize":
+        return _plan.dequantize_linear(x, plan, bias)
+    if plan.large == "dequantize_tiled":
+        x2d = x.reshape(-1, x.shape[-1])
+        return tiled_linear(x2d, q, bias, _settings["tiles"]).reshape(*x.shape[:-1], q.shape[0])
+    return _unplanned(x, q, bias, outliers)  # the scaled_mm paths choose (and fall back) per call
+
+
+def _unplanned(x: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, outliers: float) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    return _forward(x2d, q, bias, outliers).reshape(*x.shape[:-1], q.shape[0])
+
+
 class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, qweight, bias, outliers):
+    def forward(ctx, x, qweight, bias, outliers, plan):
         ctx.qweight = qweight
-        ctx.bias_shape = None if bias is None else bias.shape
-        x2d = x.reshape(-1, x.shape[-1])
-        out = _forward(x2d, qweight, bias, outliers)
-        return out.reshape(*x.shape[:-1], qweight.shape[0])
+        ctx.plan = plan
+        return _run(x, qweight, plan, bias, outliers)
 
     @staticmethod
     def backward(ctx, grad_out):
         qweight = ctx.qweight
+        plan = ctx.plan
         grad_x = grad_bias = None
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         if ctx.needs_input_grad[0]:
-            grad_x = (g2d @ qweight.dequantize(grad_out.dtype)).reshape(*grad_out.shape[:-1], qweight.shape[1])
+            # the plan's dequantize where it still holds (the weight may have been written since forward)
+            if plan is not None and plan.generation == _generation[0] and plan.token == _plan.weight_token(qweight) \
+                    and grad_out.device == plan.device:
+                w = plan.dequantize(grad_out.dtype)
+            else:
+                w = qweight.dequantize(grad_out.dtype)
+            grad_x = (g2d @ w).reshape(*grad_out.shape[:-1], qweight.shape[1])
         if ctx.needs_input_grad[2]:
             grad_bias = g2d.sum(0)
-        return grad_x, None, grad_bias, None
+        return grad_x, None, grad_bias, None, None
+
+
+# Function.apply's Python wrapper costs about 4 us a call (argument binding for setup_context, functorch
+# checks): outside functorch transforms and torch.compile tracing, call the C++ apply it ends in.
+_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _QuantizedLinearFn)
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_is_compiling = torch.compiler.is_compiling
 
 
 def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tensor | None = None,
@@ -163,9 +239,22 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tens
     The weight is frozen: backward gives the input (and bias) gradient through the dequantized weight,
     never a weight gradient. outliers (nvfp4 on FP4 tensor cores only; ignored by the dequantize paths,
     whose input is not quantized): the fraction of input channels kept in the input dtype.
+    What is constant per weight (path, scales, addresses, descriptors) is cached on it after the
+    first call (``configure_linear(cache=False)`` turns that off); every argument is checked then.
     """
-    _check_operands(x, qweight, bias, outliers)
-    return _QuantizedLinearFn.apply(x, qweight, bias, float(outliers))
+    plan = None
+    if _settings["cache"]:
+        plan = _plan.cached_plan(qweight, x, _generation[0])
+    if plan is None or x.shape[-1] != plan.k or outliers or (bias is not None and bias.shape != (plan.n,)):
+        _check_operands(x, qweight, bias, outliers)
+        if _settings["cache"] and plan is None:
+            plan = _build_plan(x, qweight)
+    if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
+        return _run(x, qweight, plan, bias, float(outliers))  # no graph to record
+    if _functorch_active() or _is_compiling():
+        return _QuantizedLinearFn.apply(x, qweight, bias, float(outliers), plan)
+    return _c_apply(_unwrap_if_dead(x), qweight, None if bias is None else _unwrap_if_dead(bias),
+                    float(outliers), plan)
 
 
 class QuantLinear(nn.Linear):

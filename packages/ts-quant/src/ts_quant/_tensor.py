@@ -58,6 +58,13 @@ class QuantizedTensor:
         self.scale_offset = scale_offset
         self._cache: dict[str, Any] = {}
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Derived values (quantized_linear's plans, swizzled scales) follow the fields: a new field clears them.
+        cache = self.__dict__.get("_cache")
+        if cache and name != "_cache":
+            cache.clear()
+        object.__setattr__(self, name, value)
+
     # ---- facts -------------------------------------------------------------
     @property
     def device(self) -> torch.device:
