@@ -99,7 +99,7 @@ def dists(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("name", ["pinned", "adamw", "quant", "compare"])
+@nox.parametrize("name", ["pinned", "adamw", "quant", "compare", "host_overhead"])
 def bench(session: nox.Session, name: str) -> None:
     _base(session, hf=name == "compare")
     _install_packages(session, PACKAGES)
