@@ -30,9 +30,10 @@ def host_state_bytes(param: torch.Tensor, placement: str, moment_bytes: int) -> 
 
 
 def device_state_bytes(slot: ParamSlot) -> int:
-    """VRAM a parameter's state takes when placed on the device."""
+    """VRAM a parameter's state takes when placed on the device: fp32 master, two moments, and its
+    gradient, which then waits in VRAM for step() (a host-placed gradient leaves during backward)."""
     moment = torch.empty((), dtype=slot.exp_avg.dtype).element_size() if slot.exp_avg is not None else 4
-    return slot.numel * (4 + 2 * moment)
+    return slot.numel * (4 + 2 * moment + slot.param.element_size())
 
 
 @dataclasses.dataclass(frozen=True)
