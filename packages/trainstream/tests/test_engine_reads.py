@@ -90,3 +90,24 @@ def test_a_parent_reading_a_childs_weight_in_forward_sees_the_update(monkeypatch
         ref_opt.zero_grad()
     torch.testing.assert_close(seen, ref_seen, rtol=1e-5, atol=1e-6)
     trainstream.unwrap(model)
+
+
+def test_host_update_time_is_counted_while_attached():
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-3)
+    for ids in batches(2):
+        loss_of(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    model._trainstream_session.synchronize()
+    assert opt.stats()["host_update_seconds"] > 0
+    trainstream.unwrap(model)
+
+
+def test_local_processes_split_the_page_lock_budget(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    model, _ = trainstream.wrap(tiny_llama(), lr=1e-3)
+    assert any("1/4 of the machine's" in e for e in trainstream.memory_report(model)["events"])
+    trainstream.unwrap(model)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10**9))  # a share too small for even this model
+    with pytest.raises(MemoryError, match="page-locked host RAM"):
+        trainstream.wrap(tiny_llama(), lr=1e-3)

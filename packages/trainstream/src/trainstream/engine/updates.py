@@ -141,6 +141,7 @@ class HostUpdater:
         self.submitted = 0
         self.applied = 0
         self.updates = 0
+        self.busy_seconds = 0.0  # wall time inside host AdamW (the worker's own counter)
         self._errors: list[tuple[ParamSlot, BaseException]] = []
         # Liveness as a flag the worker clears on its way out: Thread.is_alive() interrupted by a
         # KeyboardInterrupt on 3.11 can mark a running thread stopped for good.
@@ -219,9 +220,11 @@ class HostUpdater:
         try:
             self._channel.host_wait(slot.grad_token)
             self._channel.host_wait(slot.upload_event)  # the previous upload read out_host: it must be done
+            started = time.perf_counter()
             ts_adamw.adamw_step(slot.master, slot.grad_host, slot.exp_avg, slot.exp_avg_sq,
                                 param_out=None if slot.out_host is slot.master else slot.out_host,
                                 **slot.hyper.kwargs(slot.step + 1))
+            self.busy_seconds += time.perf_counter() - started
             applied = True
             slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
         except BaseException as failure:  # reported once, at the next sync point

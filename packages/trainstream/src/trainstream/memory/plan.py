@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 import ts_pinned
+import ts_planner
 
 from ..engine.slots import ParamSlot
 
@@ -46,7 +47,10 @@ class HostPlan:
 
 def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: str, check: bool) -> HostPlan:
     """Chooses the moment precision and checks that the host state fits the page-lock budget."""
-    budget = ts_pinned.page_lock_budget()
+    machine = ts_pinned.page_lock_budget()
+    # Processes launched together on one machine (torchrun, Slurm) share its RAM: each plans with 1/n.
+    local = ts_planner.local_process_count()
+    budget = dataclasses.replace(machine, budget=machine.budget // local) if local > 1 else machine
     needs = {
         name: sum(host_state_bytes(p, placement, size) for p in params)
         for name, size in (("float32", 4), ("bfloat16", 2))
@@ -66,8 +70,9 @@ def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: s
             f"{needs['bfloat16'] / GiB:.2f} GiB; otherwise train fewer parameters (LoRA), free host RAM, "
             f"or pass check_memory=False to try anyway."
         )
+    share = f" (1/{local} of the machine's {machine.budget / GiB:.2f} GiB: {local} local processes)" if local > 1 else ""
     message = (f"{sum(p.numel() for p in params) / 1e6:.1f} M trained parameters: {chosen} moments ({why}); "
-               f"{needed / GiB:.2f} GiB of host state, page-lock budget {budget.budget / GiB:.2f} GiB")
+               f"{needed / GiB:.2f} GiB of host state, page-lock budget {budget.budget / GiB:.2f} GiB{share}")
     return HostPlan(getattr(torch, chosen), needed, budget.budget, message)
 
 
