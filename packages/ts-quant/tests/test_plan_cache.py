@@ -34,18 +34,25 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def test_cached_forward_and_backward_equal_the_uncached(fmt, dtype, lead, bias, strided, seed):
     torch.manual_seed(seed)
     q = ts_quant.quantize(torch.randn(32, 64), fmt)
-    x = torch.randn(*lead, 64 * (2 if strided else 1), dtype=dtype)
-    if strided:
-        x = x[..., ::2]  # a non-contiguous x
+    base = torch.randn(*lead, 64 * (2 if strided else 1), dtype=dtype)
+    view = (lambda t: t[..., ::2]) if strided else (lambda t: t)  # strided: a non-contiguous x
+    x = view(base)
     b = torch.randn(32, dtype=dtype) if bias else None
-    grads = []
+    g = torch.randn(*lead, 32, dtype=dtype)
+    # The definition, as quantized_linear computed it before the plans: on 2-D views
+    w = q.dequantize(dtype)
+    y_ref = torch.nn.functional.linear(x.reshape(-1, 64), w, b).reshape(*lead, 32)
+    gx_ref = (g.reshape(-1, 32) @ w).reshape(*lead, 64)
+    grads = [(y_ref, gx_ref, None if b is None else g.reshape(-1, 32).sum(0))]
     for cached in (False, True, True):  # the second cached call runs on the plan the first one built
         ts_quant.configure_linear(cache=cached)
-        xi = x.clone().requires_grad_(True)
+        leaf = base.clone().requires_grad_(True)
+        xi = view(leaf)
+        assert xi.is_contiguous() != strided
         bi = None if b is None else b.clone().requires_grad_(True)
         y = ts_quant.quantized_linear(xi, q, bi)
-        y.backward(torch.ones_like(y))
-        grads.append((y.detach(), xi.grad, None if bi is None else bi.grad))
+        y.backward(g)
+        grads.append((y.detach(), view(leaf.grad), None if bi is None else bi.grad))
     ts_quant.configure_linear(cache=True)
     for other in grads[1:]:
         for a, c in zip(grads[0], other):

@@ -210,17 +210,20 @@ class _QuantizedLinearFn(torch.autograd.Function):
         qweight = ctx.qweight
         plan = ctx.plan
         grad_x = grad_bias = None
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.needs_input_grad[0]:
+        needs = ctx.needs_input_grad
+        if needs[0]:
             # the plan's dequantize where it still holds (the weight may have been written since forward)
             if plan is not None and plan.generation == _generation[0] and plan.token == _plan.weight_token(qweight) \
                     and grad_out.device == plan.device:
                 w = plan.dequantize(grad_out.dtype)
             else:
                 w = qweight.dequantize(grad_out.dtype)
-            grad_x = (g2d @ w).reshape(*grad_out.shape[:-1], qweight.shape[1])
-        if ctx.needs_input_grad[2]:
-            grad_bias = g2d.sum(0)
+            if grad_out.dim() >= 2:  # matmul folds the leading dims into one mm itself: the same bits
+                grad_x = grad_out @ w
+            else:
+                grad_x = (grad_out.reshape(1, -1) @ w).reshape(qweight.shape[1])
+        if needs[2]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, None, grad_bias, None, None
 
 
