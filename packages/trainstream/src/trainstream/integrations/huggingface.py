@@ -135,6 +135,71 @@ def reference_logprobs(model: torch.nn.Module, batches, *, chunk_size: int = 102
     return torch.cat(values) if values else torch.empty(0)
 
 
+
+def _engine_settings(optimizer: OffloadAdamW) -> tuple[float | None, int]:
+    """(max_grad_norm, accumulation_steps) the attached engine of ``optimizer`` runs with."""
+    config = optimizer._session.config
+    return config.max_grad_norm, config.accumulation_steps
+
+
+def _check_trainer_settings(optimizer, args, where: str = "the Trainer") -> None:
+    """ValueError when an attached ``OffloadAdamW`` would not train as the Trainer's arguments say:
+    its gradients leave the GPU during backward, so the Trainer's own clipping sees none and its
+    micro-batches would each be a step. Nothing to check for an optimizer that is not attached."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer
+    if not (isinstance(optimizer, OffloadAdamW) and optimizer.attached):
+        return
+    clip, accumulation = _engine_settings(optimizer)
+    wanted = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+    if wanted is not None and clip != wanted:
+        raise ValueError(
+            f"{where} has max_grad_norm={args.max_grad_norm} but the attached OffloadAdamW clips at "
+            f"{clip if clip is not None else 'nothing (max_grad_norm=None)'}: its gradients leave the GPU during "
+            f"backward, so the Trainer's clipping would silently do nothing. Pass max_grad_norm={wanted} to "
+            f"wrap()/wrap_hf(), or set max_grad_norm=0 in the Trainer's arguments, or let TrainStreamTrainer / "
+            f"trainstream.integrations.trl's trainers build the optimizer (no optimizers=)")
+    if accumulation != args.gradient_accumulation_steps:
+        raise ValueError(
+            f"{where} has gradient_accumulation_steps={args.gradient_accumulation_steps} but the attached "
+            f"OffloadAdamW steps every {accumulation} backward pass(es): pass "
+            f"accumulation_steps={args.gradient_accumulation_steps} to wrap()/wrap_hf(), or let TrainStreamTrainer / "
+            f"trainstream.integrations.trl's trainers build the optimizer (no optimizers=)")
+
+
+def _trainer_optimizer(trainer, options: dict) -> OffloadAdamW:
+    """The optimizer of a Trainer made to train with TrainStream (TrainStreamTrainer and the TRL
+    trainers' ``create_optimizer``): ``trainer.optimizer`` (torch's AdamW or an ``OffloadAdamW``)
+    attached by ``wrap_hf`` with the Trainer's ``max_grad_norm`` and ``gradient_accumulation_steps``;
+    one attached already must match them (else ValueError). The Trainer's own clipping is then
+    switched off on ``trainer.args``, which must be the trainer's own copy."""
+    optimizer, args = trainer.optimizer, trainer.args
+    if isinstance(optimizer, OffloadAdamW) and optimizer.attached:
+        _check_trainer_settings(optimizer, args, type(trainer).__name__)
+    else:
+        norm = args.max_grad_norm
+        # With the Trainer's clipping off, an OffloadAdamW's own max_grad_norm (if any) stays in effect.
+        clip = {"max_grad_norm": norm} if norm and norm > 0 else {}
+        _, optimizer = wrap_hf(trainer.model, optimizer, accumulation_steps=args.gradient_accumulation_steps,
+                               **clip, **options)
+    trainer.optimizer = optimizer
+    args.max_grad_norm = 0.0  # the optimizer clips; the Trainer's grads are already gone
+    return optimizer
+
+
+def _real_grad_norm(logs: dict | None, optimizer) -> None:
+    """A training log's ``grad_norm`` made true: the norm TrainStream's engine measured when it clips,
+    else removed (the Trainer measured gradients that had already left, and would log 0)."""
+    if not logs or "grad_norm" not in logs:
+        return
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    norm = optimizer.stats()["last_grad_norm"] if isinstance(optimizer, OffloadAdamW) and optimizer.attached else None
+    if norm is None:
+        if isinstance(optimizer, OffloadAdamW) and optimizer.attached:
+            del logs["grad_norm"]
+    else:
+        logs["grad_norm"] = float(norm)
+
+
 class TrainStreamTrainer(Trainer):
     """``transformers.Trainer`` with the optimizer in host memory (``wrap()``) and a chunked loss.
 
@@ -175,17 +240,13 @@ class TrainStreamTrainer(Trainer):
             raise ValueError(f"TrainStreamTrainer needs an Adam/AdamW optim, not {self.args.optim!r}")
 
     def create_optimizer(self, model=None):
-        # An OffloadAdamW given through optimizers= is attached here too, unless it already is.
-        if not (isinstance(self.optimizer, OffloadAdamW) and self.optimizer.attached):
-            if self.optimizer is None:
-                super().create_optimizer(model)  # torch's AdamW with the Trainer's groups; wrap() converts it
-            norm = self.args.max_grad_norm
-            _, self.optimizer = wrap_hf(self.model, self.optimizer,
-                                        max_grad_norm=norm if norm and norm > 0 else None,
-                                        accumulation_steps=self.args.gradient_accumulation_steps,
-                                        **self._ts_options)
-            self.args.max_grad_norm = 0.0  # our copy: the optimizer clips; the Trainer's grads are already gone
-        return self.optimizer
+        if self.optimizer is None:
+            super().create_optimizer(model)  # torch's AdamW with the Trainer's groups; wrap() converts it
+        return _trainer_optimizer(self, self._ts_options)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        _real_grad_norm(logs, self.optimizer)
+        super().log(logs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         parts = decoder_and_head(model) if self._ts_chunked and model.training else None
@@ -206,7 +267,10 @@ class TrainStreamCallback(TrainerCallback):
     Keys: ``trainstream/step_s`` and ``trainstream/host_update_s`` (mean seconds per step inside
     ``optimizer.step()`` and in host AdamW; the latter only where it is measured), ``trainstream/d2h_GB``
     and ``trainstream/h2d_GB`` (moved), ``trainstream/host_state_fraction`` (share of the optimizer
-    state's values in host memory) and ``trainstream/grad_norm`` when TrainStream clips.
+    state's values in host memory) and ``trainstream/grad_norm`` when TrainStream clips. While the
+    optimizer is attached, ``grad_norm`` becomes the norm TrainStream measured (or is removed when it
+    does not clip: the Trainer saw no gradients), and a Trainer whose ``max_grad_norm`` or
+    ``gradient_accumulation_steps`` the engine would not honour is refused at ``on_train_begin``.
     """
 
     def __init__(self, optimizer: OffloadAdamW, *, verbose: bool = True):
@@ -234,11 +298,18 @@ class TrainStreamCallback(TrainerCallback):
             out["trainstream/grad_norm"] = float(now["last_grad_norm"])
         return out
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # An attached optimizer the Trainer would clip or accumulate for in vain is refused before step 1.
+        _check_trainer_settings(self.optimizer, args, "the Trainer")
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         values = self.metrics()
         if logs is not None:
+            _real_grad_norm(logs, self.optimizer)
             logs.update(values)
         if state.log_history:
-            state.log_history[-1].update(values)  # the entry the Trainer just appended for these logs
+            entry = state.log_history[-1]  # the entry the Trainer just appended for these logs
+            _real_grad_norm(entry, self.optimizer)
+            entry.update(values)
         if self.verbose and state.is_world_process_zero:
             print(" ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)

@@ -1,0 +1,104 @@
+"""TRL integration: SFTTrainer, DPOTrainer and GRPOTrainer trained with TrainStream.
+
+TRL builds the PEFT model inside its trainers' ``__init__``, so an optimizer made beforehand misses
+the adapters. ``TrainStreamMixin`` makes the optimizer when training starts instead (like
+``TrainStreamTrainer``): the Trainer's AdamW, converted by ``wrap_hf``, with the config's
+``max_grad_norm`` and ``gradient_accumulation_steps`` moved into the engine, since gradients leave
+the GPU during backward and the Trainer's own clipping would see none. ``grad_norm`` in the logs is
+the norm the engine measured. Ready-made: ``TrainStreamSFTTrainer``, ``TrainStreamDPOTrainer``,
+``TrainStreamGRPOTrainer``; any other TRL trainer: ``class MyKTO(TrainStreamMixin, KTOTrainer)``.
+Tested with trl 1.16 and transformers 5.24. Needs ``pip install trl``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+try:
+    import trl
+except ImportError as error:  # pragma: no cover - exercised only without trl
+    raise ImportError("trainstream.integrations.trl needs TRL: pip install trl") from error
+
+from .._options import parse_options
+from .huggingface import _real_grad_norm, _trainer_optimizer, reference_logprobs
+
+__all__ = ["TrainStreamDPOTrainer", "TrainStreamGRPOTrainer", "TrainStreamMixin", "TrainStreamSFTTrainer"]
+
+# Keys TRL's preference collator adds beside the model inputs.
+_DPO_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+
+class TrainStreamMixin:
+    """Put first in the bases of a ``transformers.Trainer`` subclass (TRL's trainers):
+    ``class MyDPO(TrainStreamMixin, DPOTrainer)``. Adds ``trainstream={...}`` (any ``wrap()`` option,
+    checked at construction) and trains with the optimizer state in host memory.
+
+    At ``train()``, the Trainer's AdamW (its groups and schedule), or an ``OffloadAdamW`` given through
+    ``optimizers=``, is attached by ``wrap_hf`` with the config's ``max_grad_norm`` and
+    ``gradient_accumulation_steps``; an optimizer attached beforehand must have been given the same
+    two (else ``ValueError``). The Trainer's clipping is switched off on the trainer's own copy of
+    the config (yours is not changed). ``grad_norm`` in the logs is the norm TrainStream measured
+    before clipping; without clipping no norm is measured and ``grad_norm`` is left out.
+    """
+
+    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
+        options = dict(trainstream or {})
+        for name in ("max_grad_norm", "accumulation_steps"):
+            if name in options:
+                raise ValueError(f"trainstream={{'{name}': ...}} comes from the trainer's config here; set it there")
+        try:
+            parse_options(dict(options))  # every key checked now, not when training starts
+        except ValueError as error:
+            raise ValueError(f"trainstream={{...}}: {error}") from None
+        self._ts_options = options
+        super().__init__(*args, **kwargs)
+        # The trainer's own copy: create_optimizer switches its clipping off there, and the caller
+        # may reuse the config with a stock trainer, which must still clip.
+        self.args = copy.copy(self.args)
+        name = type(self).__name__
+        if self.args.fp16:
+            raise ValueError(f"{name} with TrainStream does not support fp16 with loss scaling; use bf16=True or fp32")
+        if "adam" not in str(getattr(self.args.optim, "value", self.args.optim)):
+            raise ValueError(f"{name} with TrainStream needs an Adam/AdamW optim, not {self.args.optim!r}")
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            super().create_optimizer(model)  # torch's AdamW with the Trainer's groups; wrap() converts it
+        return _trainer_optimizer(self, self._ts_options)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        _real_grad_norm(logs, self.optimizer)
+        super().log(logs, *args, **kwargs)
+
+
+class TrainStreamSFTTrainer(TrainStreamMixin, trl.SFTTrainer):
+    """``trl.SFTTrainer`` trained with TrainStream (see ``TrainStreamMixin``)."""
+
+
+class TrainStreamGRPOTrainer(TrainStreamMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` trained with TrainStream (see ``TrainStreamMixin``); generation runs on the
+    wrapped model."""
+
+
+class TrainStreamDPOTrainer(TrainStreamMixin, trl.DPOTrainer):
+    """``trl.DPOTrainer`` trained with TrainStream (see ``TrainStreamMixin``). With
+    ``precompute_ref_log_probs=True``, TRL's ``ref_chosen_logps`` / ``ref_rejected_logps`` columns are
+    filled by ``trainstream``'s ``reference_logprobs`` (adapters off, eval mode, log-probs in chunks)
+    where it computes what TRL does: TRL's own reference pass otherwise (``ld_alpha``, a "ref"
+    adapter, vision inputs)."""
+
+    def compute_ref_log_probs(self, model, inputs):
+        extra = set(inputs) - _DPO_NON_MODEL_KEYS - {"input_ids", "attention_mask"}
+        unwrapped = self.accelerator.unwrap_model(model)
+        peft_config = getattr(unwrapped, "peft_config", {})
+        if self.ld_alpha is not None or extra or "ref" in peft_config or not isinstance(unwrapped, torch.nn.Module):
+            return super().compute_ref_log_probs(model, inputs)
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        batch = {"input_ids": inputs["input_ids"], "labels": labels}
+        if "attention_mask" in inputs:
+            batch["attention_mask"] = inputs["attention_mask"]
+        with self.accelerator.autocast():  # the precision TRL's pass and training use (bf16=True: bf16)
+            logps = reference_logprobs(unwrapped, [batch]).to(inputs["input_ids"].device)
+        return logps.chunk(2, dim=0)  # the batch is [chosen, rejected]

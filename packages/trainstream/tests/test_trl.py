@@ -1,0 +1,222 @@
+"""TRL's SFT, DPO and GRPO trainers with TrainStream against their stock runs (CPU, tiny Llama + LoRA),
+clipping honoured or refused, the logged grad_norm, and DPO's precomputed reference columns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trainstream
+from trainstream.integrations.huggingface import TrainStreamCallback, TrainStreamTrainer, wrap_hf
+from ts_testing import tiny_llama
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+peft = pytest.importorskip("peft")
+
+from trainstream.integrations import trl as ts_trl  # noqa: E402  (needs trl)
+
+CLIP = 0.05  # well below the gradient norms here (about 0.3): clipping changes every step
+PAIRS = [{"prompt": "the cat", "chosen": " sat on the mat.", "rejected": " ran off!"},
+         {"prompt": "a dog", "chosen": " barks.", "rejected": " is quiet, yes"},
+         {"prompt": "hello", "chosen": " world!", "rejected": " there?"},
+         {"prompt": "sky is", "chosen": " blue.", "rejected": " green and red"}] * 2
+TEXTS = [{"text": t} for t in ["the cat sat on the mat.", "a dog barks at night!", "hello world, again?",
+                               "sky is blue and wide."]] * 2
+
+
+def _tokenizer():
+    """A character-level tokenizer built in memory (no network): ids fit tiny_llama's 97-word vocabulary."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz .,!?"
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def _lora():
+    return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+
+
+def _common(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                learning_rate=5e-3, max_grad_norm=CLIP, logging_steps=1, report_to=[], use_cpu=True,
+                save_strategy="no", disable_tqdm=True, seed=0, data_seed=0)
+    base.update(overrides)
+    return base
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
+
+
+def _dpo(cls, tmp_path, model=None, trainer_kwargs=None, **overrides):
+    config = trl.DPOConfig(**_common(tmp_path, **overrides))
+    kwargs = dict(trainer_kwargs or {})
+    if model is None:
+        kwargs["peft_config"] = _lora()  # TRL wraps the model in PEFT inside __init__
+    trainer = cls(model=model if model is not None else tiny_llama(), args=config,
+                  train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=_tokenizer(), **kwargs)
+    return trainer, config
+
+
+def _assert_same_run(ours, stock):
+    assert len(_logged(ours, "loss")) == len(_logged(stock, "loss")) == 3
+    assert _logged(ours, "loss") == pytest.approx(_logged(stock, "loss"), abs=1e-5)
+    assert all(norm > CLIP for norm in _logged(stock, "grad_norm"))  # clipping was active
+    assert _logged(ours, "grad_norm") == pytest.approx(_logged(stock, "grad_norm"), rel=1e-5)
+    for (name, a), (_, b) in zip(ours.model.named_parameters(), stock.model.named_parameters()):
+        if "lora" in name:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_sft_matches_stock_with_clipping_and_accumulation(tmp_path):
+    runs = {}
+    for cls in (trl.SFTTrainer, ts_trl.TrainStreamSFTTrainer):
+        config = trl.SFTConfig(**_common(tmp_path / cls.__name__))
+        trainer = cls(model=tiny_llama(), args=config, train_dataset=datasets.Dataset.from_list(TEXTS),
+                      processing_class=_tokenizer(), peft_config=_lora())
+        trainer.train()
+        runs[cls] = trainer
+        assert config.max_grad_norm == CLIP  # the caller's config is not changed
+    ours = runs[ts_trl.TrainStreamSFTTrainer]
+    ours.model._trainstream_session.synchronize()
+    assert ours.model._trainstream_session.config.max_grad_norm == CLIP
+    assert ours.model._trainstream_session.config.accumulation_steps == 2
+    _assert_same_run(ours, runs[trl.SFTTrainer])
+    trainstream.unwrap(ours.model)
+
+
+def test_dpo_matches_stock_with_clipping(tmp_path):
+    stock, _ = _dpo(trl.DPOTrainer, tmp_path / "stock")
+    stock.train()
+    ours, config = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "ours")
+    ours.train()
+    ours.model._trainstream_session.synchronize()
+    assert isinstance(ours.optimizer.optimizer, trainstream.OffloadAdamW)  # inside Accelerate's wrapper
+    assert config.max_grad_norm == CLIP and ours.args.max_grad_norm == 0.0
+    _assert_same_run(ours, stock)
+    trainstream.unwrap(ours.model)
+
+
+def test_dpo_precomputed_reference_columns_come_from_reference_logprobs(tmp_path, monkeypatch):
+    stock, _ = _dpo(trl.DPOTrainer, tmp_path / "stock", precompute_ref_log_probs=True)
+    calls = []
+    real = ts_trl.reference_logprobs
+    monkeypatch.setattr(ts_trl, "reference_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # A different seed for the data order would change nothing here: the columns are per example.
+    ours, _ = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "ours", precompute_ref_log_probs=True)
+    assert len(calls) == 4  # 8 pairs, 2 per batch: TRL's own reference pass did not run
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        torch.testing.assert_close(torch.tensor(ours.train_dataset[column]), torch.tensor(stock.train_dataset[column]),
+                                   rtol=0, atol=1e-5)
+    stock.train()
+    ours.train()
+    _assert_same_run(ours, stock)
+    trainstream.unwrap(ours.model)
+
+
+def test_grpo_trains_two_steps_with_a_python_reward(tmp_path):
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.append(len(completions))
+        return [float(len(c)) + c.count("a") for c in completions]
+
+    config = trl.GRPOConfig(**_common(tmp_path, max_steps=2, gradient_accumulation_steps=1, num_generations=2,
+                                      max_completion_length=6))
+    prompts = datasets.Dataset.from_list([{"prompt": p} for p in ["the cat", "a dog", "hello", "sky is"]])
+    trainer = ts_trl.TrainStreamGRPOTrainer(model=tiny_llama(), reward_funcs=reward, args=config,
+                                            train_dataset=prompts, processing_class=_tokenizer(),
+                                            peft_config=_lora())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    session = trainer.model._trainstream_session
+    session.synchronize()
+    assert session.steps == 2 and session.config.max_grad_norm == CLIP
+    assert seen and sum(seen) >= 4  # completions scored by the Python function
+    assert len(_logged(trainer, "loss")) == 2
+    assert all(torch.isfinite(torch.tensor(_logged(trainer, "loss"))))
+    assert all(norm == session.engine.last_grad_norm or norm >= 0 for norm in _logged(trainer, "grad_norm"))
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed  # the adapters trained
+    trainstream.unwrap(trainer.model)
+
+
+def _wrapped_lora(**options):
+    model = peft.get_peft_model(tiny_llama(), _lora())
+    # The Trainer's own AdamW would have these hyper-parameters (TrainingArguments' weight_decay is 0).
+    opt = trainstream.OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.0)
+    return wrap_hf(model, opt, **options)
+
+
+def test_a_stock_trainer_with_an_attached_optimizer_refuses_clipping_it_cannot_do(tmp_path):
+    model, opt = _wrapped_lora(accumulation_steps=2)
+    trainer, _ = _dpo(trl.DPOTrainer, tmp_path / "a", model=model,
+                      trainer_kwargs={"optimizers": (opt, None), "callbacks": [TrainStreamCallback(opt, verbose=False)]})
+    with pytest.raises(ValueError, match=r"max_grad_norm=0.05.*clips at nothing.*silently"):
+        trainer.train()
+    assert model._trainstream_session.steps == 0  # refused before the first step
+    trainstream.unwrap(model)
+
+    model, opt = _wrapped_lora(max_grad_norm=CLIP)  # accumulation left at 1, the config says 2
+    trainer, _ = _dpo(trl.DPOTrainer, tmp_path / "b", model=model,
+                      trainer_kwargs={"optimizers": (opt, None), "callbacks": [TrainStreamCallback(opt, verbose=False)]})
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*accumulation_steps=2"):
+        trainer.train()
+    trainstream.unwrap(model)
+
+
+def test_a_trainstream_trainer_given_an_attached_optimizer_checks_it(tmp_path):
+    model, opt = _wrapped_lora(accumulation_steps=2)
+    trainer = ts_trl.TrainStreamDPOTrainer(
+        model=model, args=trl.DPOConfig(**_common(tmp_path / "a")), train_dataset=datasets.Dataset.from_list(PAIRS),
+        processing_class=_tokenizer(), optimizers=(opt, None))
+    with pytest.raises(ValueError, match=r"TrainStreamDPOTrainer has max_grad_norm=0\.05"):
+        trainer.train()
+    trainstream.unwrap(model)
+    # Matching settings: it trains as the stock trainer does, with the real norm in the logs.
+    model, opt = _wrapped_lora(accumulation_steps=2, max_grad_norm=CLIP)
+    ours = ts_trl.TrainStreamDPOTrainer(
+        model=model, args=trl.DPOConfig(**_common(tmp_path / "b")), train_dataset=datasets.Dataset.from_list(PAIRS),
+        processing_class=_tokenizer(), optimizers=(opt, None))
+    ours.train()
+    stock = trl.DPOTrainer(model=peft.get_peft_model(tiny_llama(), _lora()),
+                           args=trl.DPOConfig(**_common(tmp_path / "c")),
+                           train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=_tokenizer())
+    stock.train()
+    _assert_same_run(ours, stock)
+    trainstream.unwrap(model)
+
+
+def test_options_are_checked_at_construction(tmp_path):
+    with pytest.raises(ValueError, match=r"trainstream=\{\.\.\.\}: .*bogus"):
+        _dpo(lambda **k: ts_trl.TrainStreamDPOTrainer(trainstream={"bogus": 1}, **k), tmp_path / "a")
+    with pytest.raises(ValueError, match="comes from the trainer's config"):
+        _dpo(lambda **k: ts_trl.TrainStreamDPOTrainer(trainstream={"max_grad_norm": 1.0}, **k), tmp_path / "b")
+    with pytest.raises(ValueError, match="Adam/AdamW"):
+        _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "c", optim="sgd")
+
+
+def test_trainstream_trainer_logs_the_real_grad_norm(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 97, (8, 10),
+                                                                       generator=torch.Generator().manual_seed(1))]
+    runs = {}
+    for cls in (Trainer, TrainStreamTrainer):
+        args = TrainingArguments(**_common(tmp_path / cls.__name__))
+        runs[cls] = cls(model=tiny_llama(), args=args, train_dataset=rows)
+        runs[cls].train()
+    assert _logged(runs[TrainStreamTrainer], "grad_norm") == pytest.approx(_logged(runs[Trainer], "grad_norm"),
+                                                                            rel=1e-5)
+    trainstream.unwrap(runs[TrainStreamTrainer].model)
+    # Without clipping TrainStream measures no norm: grad_norm is left out rather than logged as 0.
+    unclipped = TrainStreamTrainer(model=tiny_llama(), args=TrainingArguments(**_common(tmp_path / "u",
+                                                                                         max_grad_norm=0.0)),
+                                   train_dataset=rows)
+    unclipped.train()
+    assert _logged(unclipped, "grad_norm") == [] and len(_logged(unclipped, "loss")) == 3
+    trainstream.unwrap(unclipped.model)
