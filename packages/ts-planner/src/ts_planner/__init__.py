@@ -1,17 +1,36 @@
 """Hardware probes and the memory planner of TrainStream."""
 
+from ._activations import block_saved_tensors, saved_activation_bytes
+from ._budget import Budget, machine_budget
+from ._decide import Plan, check_plan, plan_memory
+from ._formats import weight_bytes
 from ._local import local_process_count
+from ._memory import MemoryEstimate, Options, estimate_memory
 from ._planner import Block, ResidencyPlan, plan_residency
 from ._profile import HardwareProfile, measure_host_bandwidth, measure_link, profile_hardware
+from ._shape import LORA_TARGETS, ModelShape
 
 __all__ = [
+    "LORA_TARGETS",
     "Block",
+    "Budget",
     "HardwareProfile",
+    "MemoryEstimate",
+    "ModelShape",
+    "Options",
+    "Plan",
     "ResidencyPlan",
+    "block_saved_tensors",
+    "check_plan",
+    "estimate_memory",
     "local_process_count",
+    "machine_budget",
     "measure_host_bandwidth",
     "measure_link",
+    "plan_memory",
     "plan_residency",
     "profile_hardware",
+    "saved_activation_bytes",
+    "weight_bytes",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,103 @@
+"""Budget: what one training process may use (VRAM, host RAM, page-locked RAM) and the rates that
+price a plan, given or read from this machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+
+from ._local import local_process_count
+
+__all__ = ["Budget", "machine_budget"]
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Bytes this process may use: ``vram_bytes`` by the CUDA caching allocator (the per-process memory
+    fraction applied), ``host_bytes`` of RAM and ``pinned_bytes`` of it page-locked (both this process's
+    share when several share the machine). ``device_bytes``: the GPU's whole memory, which must also hold
+    the CUDA context (None: not checked). ``headroom``: fraction of ``vram_bytes`` left for allocator
+    fragmentation. Rates: host<->GPU link GB/s, host AdamW parameters/s, bf16 matmul TFLOP/s."""
+
+    vram_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+    device_bytes: int | None = None
+    headroom: float = 0.05
+    link_gbps: float = 25.0
+    host_adamw_params_per_s: float = 1.0e9
+    matmul_tflops: float = 300.0
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        for name in ("vram_bytes", "host_bytes", "pinned_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Budget.{name}={value!r} must be an integer number of bytes >= 0")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"Budget.headroom={self.headroom!r} must be in [0, 1)")
+        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Budget.{name}={getattr(self, name)!r} must be > 0")
+
+    @property
+    def usable_vram(self) -> int:
+        """Allocator bytes a plan may use: ``vram_bytes`` less the fragmentation headroom."""
+        return int(self.vram_bytes * (1.0 - self.headroom))
+
+
+def _memlock() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    # A small default limit (64 KiB, 8 MiB) is not applied to the CUDA driver's page-locking in practice;
+    # only a deliberately raised one bounds a plan (as ts-pinned's page_lock_budget does).
+    return None if soft == resource.RLIM_INFINITY or soft < GiB else int(soft)
+
+
+def machine_budget(device=None, *, vram_bytes: int | None = None, host_bytes: int | None = None,
+                   processes: int | None = None, profile=None, pin_fraction: float = 0.8,
+                   headroom: float = 0.05) -> Budget:
+    """This process's Budget on this machine. VRAM: the device's memory times the fraction set by
+    ``torch.cuda.set_per_process_memory_fraction`` (``vram_bytes`` overrides; no GPU and no override is a
+    RuntimeError). Host: available RAM bounded by the cgroup limit (``host_bytes`` overrides), split between
+    the ``processes`` on this machine (default ``local_process_count()``: LOCAL_WORLD_SIZE). Page-locked:
+    ``pin_fraction`` of the host share, at most a raised memlock limit. Rates from ``profile`` (a
+    ``HardwareProfile``, trainstream's adds host AdamW and matmul rates) when given, else defaults."""
+    from . import _core
+
+    n = local_process_count() if processes is None else processes
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"processes={processes!r} must be an integer >= 1")
+    if not 0.0 < pin_fraction <= 1.0:
+        raise ValueError(f"pin_fraction={pin_fraction!r} must be in (0, 1]")
+    device_total = None
+    if vram_bytes is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("this machine has no CUDA device: pass vram_bytes (the GPU memory to plan for)")
+        index = torch.device(device if device is not None else "cuda").index
+        index = torch.cuda.current_device() if index is None else index
+        device_total = torch.cuda.get_device_properties(index).total_memory
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = get_fraction(index) if get_fraction is not None else 1.0
+        vram_bytes = int(device_total * fraction)
+    source = "given"
+    if host_bytes is None:
+        info = _core.host_memory()
+        host_bytes, source = int(info["available"]) // n, str(info["source"])
+    pinned = int(host_bytes * pin_fraction)
+    limit = _memlock()
+    if limit is not None:
+        pinned = min(pinned, limit // n)
+    rates = {}
+    if profile is not None:
+        if getattr(profile, "link_h2d_gbps", None):
+            rates["link_gbps"] = float(min(profile.link_h2d_gbps, profile.link_d2h_gbps or profile.link_h2d_gbps))
+        if getattr(profile, "host_adamw_params_per_s", None):
+            rates["host_adamw_params_per_s"] = float(profile.host_adamw_params_per_s)
+        if getattr(profile, "matmul_bf16_tflops", None):
+            rates["matmul_tflops"] = float(profile.matmul_bf16_tflops)
+    return Budget(vram_bytes=int(vram_bytes), host_bytes=int(host_bytes), pinned_bytes=pinned,
+                  device_bytes=device_total, headroom=headroom, source=f"{source}, {n} process(es)", **rates)

@@ -1,0 +1,214 @@
+"""The memory model: bytes of VRAM, host RAM and page-locked host RAM one training step needs, by
+category, for a model shape and a set of concrete choices (``Options``), plus the step's lower bound
+from the budget's rates. Sizes in bytes, rates in GB/s (1e9 bytes/s), params/s and TFLOP/s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._activations import block_backward_bytes, block_saved_tensors, checkpoint_bytes
+from ._formats import DTYPE_BYTES, WEIGHT_FORMATS, weight_bytes
+from ._shape import LORA_TARGETS, ModelShape
+
+__all__ = ["MemoryEstimate", "Options", "estimate_memory"]
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """One concrete way to run a step.
+
+    ``train``: "full" (every parameter) or "lora" (adapters of ``lora_rank`` on ``lora_targets``, base frozen).
+    ``quantize``: format of the frozen block projections (None: ``dtype``). ``optimizer``: where AdamW's
+    state lives and runs, "host" (trainstream's offload) or "gpu". Activations per block: ``keep`` in VRAM
+    (None: the blocks neither paged nor recomputed), ``page`` to host memory, ``recompute`` in backward.
+    ``streamed_blocks``: blocks whose weights live in host memory and stream in. ``loss_chunk``: tokens per
+    chunk of trainstream's chunked loss (None: the full [tokens, vocab] logits, as Hugging Face computes them).
+    """
+
+    batch: int = 1
+    seq: int = 2048
+    train: str = "full"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    adapter_dtype: str = "float32"
+    dtype: str = "bfloat16"
+    quantize: str | None = None
+    moment_dtype: str = "float32"
+    optimizer: str = "host"
+    master_weights: bool = True
+    keep: int | None = None
+    page: int = 0
+    recompute: int = 0
+    streamed_blocks: int = 0
+    loss_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        def count(name, value, low):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+        count("batch", self.batch, 1)
+        count("seq", self.seq, 1)
+        count("page", self.page, 0)
+        count("recompute", self.recompute, 0)
+        count("streamed_blocks", self.streamed_blocks, 0)
+        if self.keep is not None:
+            count("keep", self.keep, 0)
+        if self.loss_chunk is not None:
+            count("loss_chunk", self.loss_chunk, 1)
+        if self.train not in ("full", "lora"):
+            raise ValueError(f"train={self.train!r} is not valid; use 'full' or 'lora'")
+        if self.train == "lora":
+            count("lora_rank", self.lora_rank, 1)
+            unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+            if unknown or not self.lora_targets:
+                raise ValueError(f"lora_targets={self.lora_targets!r}: use a non-empty subset of {LORA_TARGETS}")
+        for name in ("dtype", "adapter_dtype", "moment_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not valid; use one of {', '.join(DTYPE_BYTES)}")
+        if self.quantize not in WEIGHT_FORMATS:
+            raise ValueError(f"quantize={self.quantize!r} is not a format; use None, int8, nf4, fp8 or nvfp4")
+        if self.quantize is not None and self.train == "full":
+            raise ValueError(f"quantize={self.quantize!r} stores frozen weights; full fine-tuning trains them all "
+                             "(use train='lora', or quantize=None)")
+        if self.optimizer not in ("host", "gpu"):
+            raise ValueError(f"optimizer={self.optimizer!r} is not valid; use 'host' or 'gpu'")
+        if self.optimizer == "gpu" and self.train == "full" and self.streamed_blocks:
+            raise ValueError("streamed_blocks needs optimizer='host' for full fine-tuning: a block whose weights "
+                             "stream in is updated where its state lives, on the host")
+
+    def activation_counts(self, layers: int) -> tuple[int, int, int]:
+        """(keep, page, recompute) for a stack of `layers` blocks; ValueError when they do not add up."""
+        keep = layers - self.page - self.recompute if self.keep is None else self.keep
+        if keep < 0 or keep + self.page + self.recompute != layers:
+            raise ValueError(f"keep={self.keep}, page={self.page}, recompute={self.recompute} do not add up to the "
+                             f"{layers} blocks of the model")
+        return keep, self.page, self.recompute
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes by category: ``vram`` (the CUDA caching allocator's peak, plus ``cuda_context`` which lies outside
+    it), ``host`` (RAM, page-locked parts included) and ``pinned`` (the page-locked parts). Per block:
+    ``saved_bytes`` (unique storage a kept block holds), ``paged_bytes`` (what paging one block copies out),
+    ``block_weight_bytes`` (one block's weights as stored on the device). Per step: ``h2d_bytes`` and
+    ``d2h_bytes`` over the link, ``flops``, ``host_optimizer_params`` (values host AdamW updates), ``block_forward_flops`` (what
+    recomputing one block costs)."""
+
+    vram: dict[str, int]
+    host: dict[str, int]
+    pinned: dict[str, int]
+    saved_bytes: int
+    paged_bytes: int
+    block_weight_bytes: int
+    trained_params: int
+    h2d_bytes: int
+    d2h_bytes: int
+    flops: float
+    host_optimizer_params: int
+    block_forward_flops: float
+
+    @property
+    def allocator_bytes(self) -> int:
+        """Predicted peak of the caching allocator (``torch.cuda.max_memory_allocated``)."""
+        return sum(v for k, v in self.vram.items() if k != "cuda_context")
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.vram.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.pinned.values())
+
+
+def _block_weights(shape: ModelShape, o: Options) -> tuple[int, int, int, int]:
+    """One block: (trained values, trained bytes, frozen bytes on the device, matmul values)."""
+    a, ad = DTYPE_BYTES[o.dtype], DTYPE_BYTES[o.adapter_dtype]
+    linears = shape.linears()
+    matmul = sum(i * j for i, j, _ in linears.values())
+    if o.train == "full":
+        return shape.block_params, shape.block_params * a, 0, matmul
+    adapters = sum(o.lora_rank * (i + j) for name, (i, j, _) in linears.items() if name in o.lora_targets)
+    frozen = sum(weight_bytes(j, i, o.quantize, a) + (j * a if bias else 0) for i, j, bias in linears.values())
+    return adapters, adapters * ad, frozen + 2 * shape.hidden_size * a, matmul
+
+
+def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int = 512 * MiB,
+                    runtime_host_bytes: int = 2 * GiB) -> MemoryEstimate:
+    """The bytes one training step of `shape` needs with `options`, by category (see MemoryEstimate).
+    ``cuda_context_bytes``: the CUDA context and libraries' workspaces (outside the allocator);
+    ``runtime_host_bytes``: host RAM the Python process and CUDA runtime take besides the training state."""
+    o, layers = options, shape.num_hidden_layers
+    keep, page, recompute = o.activation_counts(layers)
+    if o.streamed_blocks > layers:
+        raise ValueError(f"streamed_blocks={o.streamed_blocks} exceeds the model's {layers} blocks")
+    a, m = DTYPE_BYTES[o.dtype], DTYPE_BYTES[o.moment_dtype]
+    trained_dtype = a if o.train == "full" else DTYPE_BYTES[o.adapter_dtype]
+    tokens, h, v = o.batch * o.seq, shape.hidden_size, shape.vocab_size
+    block_trained, block_trained_bytes, block_frozen_bytes, matmul = _block_weights(shape, o)
+    block_bytes = block_trained_bytes + block_frozen_bytes
+    outer = shape.embedding_params + shape.head_params  # embedding, final norm, untied output layer
+    outer_trained = outer if o.train == "full" else 0
+    trained = layers * block_trained + outer_trained
+    resident = layers - o.streamed_blocks
+
+    # Activations of one block: unique storage held in VRAM, every saved tensor for paging.
+    saved = block_saved_tensors(shape, o.batch, o.seq, train=o.train, lora_rank=o.lora_rank,
+                                lora_targets=o.lora_targets, adapter_dtype=o.adapter_dtype, dtype=o.dtype)
+    unique, packed = sum(dict(saved).values()), sum(n for _, n in saved)
+    if o.loss_chunk is None:  # HF: fp32 logits; backward holds log_softmax's output, its gradient and the input's
+        loss = tokens * v * 12
+    else:
+        loss = min(o.loss_chunk, tokens) * v * 12 + tokens * 8
+    loss += tokens * h * (a + 4) + tokens * 4  # the final norm's fp32 input and the head's input
+
+    # Gradients on the device: all of them until step() when the optimizer is there; else the ones in
+    # flight to the host (two blocks' worth, and the embedding / output layer's whole gradient).
+    if o.optimizer == "gpu":
+        grads = trained * trained_dtype
+        state = trained * (2 * m + (4 if trained_dtype != 4 and o.master_weights else 0))
+        host_state, host_params = 0, 0
+    else:
+        grads = 2 * block_trained * trained_dtype + outer_trained * a
+        state = 0
+        upload = trained_dtype if trained_dtype != 4 else 0  # the updated weights' staging copy
+        host_state, host_params = trained * (4 + 2 * m + trained_dtype + upload), trained
+    vram = {
+        "cuda_context": cuda_context_bytes,
+        "trained_weights": resident * block_trained_bytes + outer_trained * a
+                           + (o.streamed_blocks * block_trained_bytes if o.train == "lora" else 0),
+        "frozen_weights": resident * block_frozen_bytes + (outer * a if o.train == "lora" else 0),
+        "stream_buffers": min(o.streamed_blocks, 2) * block_bytes,  # the block computing, the next arriving
+        "gradients": grads,
+        "optimizer_state": state,
+        "activations_kept": keep * unique,
+        "activations_paged": min(page, 2) * unique,  # the pages being written out / read back
+        "activations_recompute": recompute * checkpoint_bytes(shape, o.batch, o.seq, o.dtype)
+                                 + (unique if recompute else 0),  # the block recomputed for its backward
+        "hidden_states": 2 * tokens * h * a,  # the residual stream into and out of the running block
+        "output_and_loss": loss,
+        "backward_working_set": max(0, block_backward_bytes(shape, o.batch, o.seq, o.dtype) - loss),
+    }
+    if o.train == "lora":  # adapters stay resident even when their block streams
+        streamed_host = o.streamed_blocks * block_frozen_bytes
+    else:  # a streamed full-FT block's bf16 copy is the host optimizer's upload buffer, already counted
+        streamed_host = o.streamed_blocks * (block_frozen_bytes + (0 if o.optimizer == "host" else block_trained_bytes))
+    pinned = {"optimizer_state": host_state, "streamed_weights": streamed_host, "activation_pages": page * packed}
+    host = {**pinned, "runtime": runtime_host_bytes}
+
+    streamed_link = o.streamed_blocks * block_bytes * 2  # in for forward, again for backward (and recompute)
+    h2d = streamed_link + page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
+    d2h = page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
+    block_fwd = 2 * tokens * matmul + 2 * o.batch * o.seq * o.seq * shape.q_dim  # causal attention: half of 4BT^2
+    head_fwd = 2 * tokens * h * v
+    passes = 3 if o.train == "full" else 2  # a frozen base needs no weight gradients
+    flops = layers * block_fwd * passes + head_fwd * passes + recompute * block_fwd
+    return MemoryEstimate(vram, host, pinned, unique, packed, block_bytes, trained, h2d, d2h, float(flops),
+                          host_params, float(block_fwd))
