@@ -32,7 +32,7 @@ DEPENDS = {"trainstream": ["ts-pinned", "ts-adamw", "ts-quant", "ts-planner", "t
 TORCH = os.environ.get("TS_TORCH_SPEC", "torch==2.13.0")
 BUILD_DEPS = ["scikit-build-core>=0.11", "nanobind>=2.4", "cmake>=3.26", "ninja"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
-HF_DEPS = ["transformers>=4.56", "peft>=0.13"]
+HF_DEPS = ["transformers>=4.56", "peft>=0.13", "trl>=1.16,<2"]  # trl brings datasets and accelerate
 
 
 def _install_packages(session: nox.Session, names: list[str]) -> None:

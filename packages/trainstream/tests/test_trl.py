@@ -220,3 +220,16 @@ def test_trainstream_trainer_logs_the_real_grad_norm(tmp_path):
     unclipped.train()
     assert _logged(unclipped, "grad_norm") == [] and len(_logged(unclipped, "loss")) == 3
     trainstream.unwrap(unclipped.model)
+
+
+@pytest.mark.xfail(not hasattr(trainstream.OffloadAdamW, "train"), strict=True,
+                   reason="needs OffloadAdamW.train() calling integrations.huggingface._refuse_unhonoured_trainer")
+def test_a_stock_trainer_without_the_callback_is_refused_at_its_first_step(tmp_path):
+    model, opt = _wrapped_lora(accumulation_steps=2)  # no clipping; the config asks max_grad_norm=0.05
+    trainer, _ = _dpo(trl.DPOTrainer, tmp_path, model=model, trainer_kwargs={"optimizers": (opt, None)})
+    try:
+        with pytest.raises(ValueError, match=r"DPOTrainer has max_grad_norm=0\.05.*silently"):
+            trainer.train()
+        assert model._trainstream_session.steps == 0
+    finally:
+        trainstream.unwrap(model)

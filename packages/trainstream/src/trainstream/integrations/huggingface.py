@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any
 
 import torch
@@ -164,6 +165,24 @@ def _check_trainer_settings(optimizer, args, where: str = "the Trainer") -> None
             f"OffloadAdamW steps every {accumulation} backward pass(es): pass "
             f"accumulation_steps={args.gradient_accumulation_steps} to wrap()/wrap_hf(), or let TrainStreamTrainer / "
             f"trainstream.integrations.trl's trainers build the optimizer (no optimizers=)")
+
+
+def _refuse_unhonoured_trainer(optimizer: OffloadAdamW) -> None:
+    """For ``OffloadAdamW.train()``, which ``transformers.Trainer`` calls (through Accelerate) at each
+    training step: the calling Trainer, found a few frames up, is checked once by
+    ``_check_trainer_settings``, so a stock Trainer given an attached optimizer it would clip or
+    accumulate for in vain fails at its first step instead of training differently."""
+    frame = sys._getframe(1)
+    for _ in range(8):  # OffloadAdamW.train <- AcceleratedOptimizer.train <- Trainer.training_step
+        if frame is None:
+            return
+        trainer = frame.f_locals.get("self")
+        if isinstance(trainer, Trainer):
+            if getattr(trainer, "_trainstream_checked", None) is not optimizer:
+                _check_trainer_settings(optimizer, trainer.args, type(trainer).__name__)
+                trainer._trainstream_checked = optimizer
+            return
+        frame = frame.f_back
 
 
 def _trainer_optimizer(trainer, options: dict) -> OffloadAdamW:
