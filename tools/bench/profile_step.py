@@ -1,0 +1,208 @@
+"""Where a training step's time goes (issue 13): per step, host time against GPU busy time, and the top
+host-side ops under torch.profiler, for trainstream and the stock engines of compare.py.
+
+Per step: `host` is the time until Python has enqueued the whole step (forward, backward, step(),
+zero_grad(), up to loss.item()'s wait excluded), `wall` the time until the GPU finished, `gpu busy`
+the union of the step's kernel and copy intervals. host ~ wall and gpu busy << wall: host-bound.
+Models come from tools/bench/_compare_engines.py (random-init Qwen2.5 shapes); "14b-8" is the 14B
+shape cut to its first 8 decoder blocks (the slice the issue profiles).
+
+    python tools/bench/profile_step.py --smoke                    # CPU, lora-tiny, both engines, seconds
+    python tools/bench/profile_step.py                            # GPU: 14b-8, 1 x 512, VRAM capped at 24 GB
+    python tools/bench/profile_step.py --engines trainstream-lora --top 40 --trace /tmp/ts.json
+    python tools/bench/profile_step.py --engines trainstream-lora --wrap-option optimizer_mode=\\"gpu\\"
+
+Each engine runs in its own process (the VRAM cap and the allocator start fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _compare_engines as engines
+
+engines.SHAPES.setdefault("14b-8", {**engines.SHAPES["14b"], "num_hidden_layers": 8})
+DEFAULT_ENGINES = ["stock-lora-uncapped", "bnb-qlora", "trainstream-lora"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model, opt, ids, device) -> tuple[float, float, float]:
+    """(host s, wall s, loss) of one step; the GPU is idle at its start."""
+    start = time.perf_counter()
+    with torch.profiler.record_function("train_step"):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        host = time.perf_counter() - start
+    _sync(device)
+    wall = time.perf_counter() - start
+    return host, wall, loss.item()
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _gpu_busy_per_step(prof) -> list[float]:
+    """Seconds of GPU activity (kernels, copies, memsets) inside each train_step window; the GPU is
+    synchronized at every step's end, so a step's work lies between its start and the next one's."""
+    events = prof.events()
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "train_step")
+    device_events = [(e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = []
+    for i, (start, _) in enumerate(steps):
+        stop = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
+        busy.append(_union_us([(max(a, start), min(b, stop)) for a, b in device_events if a < stop and b > start])
+                    / 1e6)
+    return busy
+
+
+def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, warmup: int, top: int,
+                   trace: str | None) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cap = None if engine.endswith("-uncapped") else scenario.get("vram_gb")
+    if device.type == "cuda" and cap:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap * 1e9 / total, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    info: dict = {}
+    try:
+        model, opt = engines.setup(engine, scenario, device, dtype, wrap_options, info)
+    except engines.EngineUnavailable as e:
+        return {"engine": engine, "outcome": str(e)}
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def batch():
+        return torch.randint(0, vocab, (scenario["batch"], scenario["seq"]), generator=generator).to(device)
+
+    for _ in range(warmup):
+        _step(model, opt, batch(), device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    rows = []
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            ids = batch()
+            _sync(device)
+            rows.append(_step(model, opt, ids, device))
+    busy = _gpu_busy_per_step(prof) if device.type == "cuda" else [None] * len(rows)
+    if trace:
+        prof.export_chrome_trace(trace)
+    averages = prof.key_averages()
+    ops = sorted((a for a in averages if a.key != "train_step"), key=lambda a: a.self_cpu_time_total, reverse=True)
+    top_ops = [{"op": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1e3 / len(rows),
+                "cpu_total_ms": a.cpu_time_total / 1e3 / len(rows),
+                "us_per_call": a.self_cpu_time_total / max(1, a.count)} for a in ops[:top]]
+    # The same steps again without the profiler: its own overhead inflates every host number above.
+    plain = [_step(model, opt, batch(), device) for _ in range(steps)]
+    return {"engine": engine, "outcome": "ok", "device": str(device),
+            "steps": [{"host_s": h, "wall_s": w, "gpu_busy_s": b, "loss": loss}
+                      for (h, w, loss), b in zip(rows, busy)],
+            "unprofiled": [{"host_s": h, "wall_s": w} for h, w, _ in plain],
+            "top_ops": top_ops}
+
+
+def report(result: dict) -> None:
+    name = result["engine"]
+    if result.get("outcome") != "ok":
+        print(f"\n== {name}: {result.get('outcome')}")
+        return
+    print(f"\n== {name} on {result['device']} (per step; ms)")
+    print(f"{'step':>4s} {'host':>9s} {'wall':>9s} {'gpu busy':>9s} {'busy/wall':>9s}")
+    for i, s in enumerate(result["steps"]):
+        b = s["gpu_busy_s"]
+        busy = "n/a" if b is None else f"{b * 1e3:9.1f}"
+        share = "n/a" if b is None else f"{b / s['wall_s']:9.0%}"
+        print(f"{i:4d} {s['host_s'] * 1e3:9.1f} {s['wall_s'] * 1e3:9.1f} {busy:>9s} {share:>9s}")
+    plain = result["unprofiled"]
+    print(f"without the profiler: host {statistics.median(s['host_s'] for s in plain) * 1e3:.1f} ms, "
+          f"wall {statistics.median(s['wall_s'] for s in plain) * 1e3:.1f} ms (medians)")
+    print("top host-side ops by self CPU time (per step; under the profiler):")
+    print(f"  {'self ms':>8s} {'total ms':>9s} {'calls':>6s} {'us/call':>8s}  op")
+    for op in result["top_ops"]:
+        print(f"  {op['self_cpu_ms']:8.2f} {op['cpu_total_ms']:9.2f} {op['calls'] // max(1, len(result['steps'])):6d} "
+              f"{op['us_per_call']:8.1f}  {op['op'][:90]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=None, help=f"default {DEFAULT_ENGINES}")
+    parser.add_argument("--size", default=None, help="a _compare_engines shape: 14b-8 (GPU default), lora-tiny, 14b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=None, help="default 512 (smoke: 32)")
+    parser.add_argument("--vram-gb", type=float, default=24.0, help="VRAM cap of the capped engines (GPU)")
+    parser.add_argument("--steps", type=int, default=None, help="profiled steps (default 3, smoke 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before profiling (default 3, smoke 1)")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--trace", default=None, help="chrome trace path (one engine)")
+    parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=PYTHON_LITERAL")
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized: lora-tiny, 32 tokens, few steps")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.size = args.size or "lora-tiny"
+        args.engines = args.engines or ["stock-lora", "trainstream-lora"]
+    size = args.size or "14b-8"
+    engine_names = args.engines or DEFAULT_ENGINES
+    scenario = dict(size=size, lora=True, batch=args.batch, seq=args.seq or (32 if args.smoke else 512),
+                    vram_gb=args.vram_gb)
+    steps = args.steps or (2 if args.smoke else 3)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    wrap_options = {}
+    for item in args.wrap_option:
+        key, _, value = item.partition("=")
+        wrap_options[key] = ast.literal_eval(value)
+    if args._child:
+        (engine,) = engine_names
+        result = profile_engine(engine, scenario, wrap_options, steps, warmup, args.top, args.trace)
+        print("RESULT " + json.dumps(result))
+        return
+    print(f"scenario: {scenario}, {steps} profiled steps after {warmup}, wrap options {wrap_options}")
+    results = []
+    for engine in engine_names:
+        cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--engines", engine, "--size", size,
+               "--batch", str(args.batch), "--seq", str(scenario["seq"]), "--vram-gb", str(args.vram_gb),
+               "--steps", str(steps), "--warmup", str(warmup), "--top", str(args.top)]
+        cmd += [f"--wrap-option={o}" for o in args.wrap_option]
+        if args.trace and len(engine_names) == 1:
+            cmd += ["--trace", args.trace]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not lines:
+            result = {"engine": engine, "outcome": f"failed (rc {done.returncode}): {done.stderr.strip()[-600:]}"}
+        else:
+            result = json.loads(lines[-1][len("RESULT "):])
+        report(result)
+        results.append(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"scenario": scenario, "wrap_options": wrap_options, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
