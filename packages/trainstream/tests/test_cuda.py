@@ -380,3 +380,33 @@ def test_resident_state_updates_in_one_fused_launch_like_torch_adamw(options):
     assert all(s.placement == "device" and s.hook is None for s in slots)
     assert max_param_diff(ours, twin) < 1e-5
     trainstream.unwrap(ours)
+
+
+@pytest.mark.parametrize("options", [{}, {"recompute": True}, {"activation_offload": True, "min_offload_bytes": 0}])
+def test_streamed_frozen_weights_are_bit_exact_and_stay_off_the_gpu(options):
+    """param_offload on a bf16 base with a trained head: the same numbers as keeping the weights,
+    while VRAM holds only the resident blocks' weights."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        data = batches(4, vocab=4096, batch=2, seq=256)
+        runs = {}
+        for name, extra in (("resident", {}), ("streamed", {"param_offload": True, "prefetch_depth": 2})):
+            model = _eager_llama(layers=8, hidden=1024, dtype=torch.bfloat16)
+            for layer in model.model.layers:
+                layer.requires_grad_(False)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ours, opt = trainstream.wrap(model, lr=1e-3, offload=True, recompute=False, activation_offload=False,
+                                         **{**options, **extra})
+            after_wrap = torch.cuda.memory_allocated() - base
+            runs[name] = (_train(ours, opt, data), [p.detach().clone().cpu() for p in ours.parameters()], after_wrap)
+            trainstream.unwrap(ours)
+            del ours, opt, model
+            torch.cuda.empty_cache()
+        assert runs["streamed"][0] == runs["resident"][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs["streamed"][1], runs["resident"][1]))
+        block_bytes = 12 * 1024 * 1024 * 2 + 4 * 1024 * 1024 * 2  # one layer's bf16 weights, about
+        assert runs["resident"][2] - runs["streamed"][2] > 4 * block_bytes  # most blocks left the GPU
+    finally:
+        torch.use_deterministic_algorithms(False)

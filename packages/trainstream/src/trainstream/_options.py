@@ -10,7 +10,7 @@ import torch
 import ts_adamw
 
 from .attention import check_attention_mode
-from .memory.activations import check_block_choice
+from .memory.activations import check_block_choice, check_param_offload
 from .memory.quantize import check_quantize
 
 __all__ = ["WrapOptions", "parse_options"]
@@ -48,6 +48,7 @@ class WrapOptions:
     min_offload_bytes: int = 1 << 20
     blocks: Any = None
     attention: Any = "default"  # "auto" once its GPU test passes (README)
+    param_offload: Any = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -101,6 +102,7 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
             raise ValueError(f"{flag}={getattr(opts, flag)!r} is not valid; use True or False")
     opts.device = _device(opts.device)
     opts.attention = check_attention_mode(opts.attention)
+    opts.param_offload = check_param_offload(opts.param_offload)
     opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
     opts.recompute = check_block_choice("recompute", opts.recompute)
     opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)

@@ -60,6 +60,11 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "params": {"quantize": None} if session.quantized is None else dict(session.quantized),
         "activations": session.activations.report(),
     })
+    if session.weights is not None:
+        stats = session.weights.stats()
+        steps = max(session.steps, 1)
+        report["params"].update({"paged_blocks": stats["streamed_blocks"], "host_bytes": stats["host_bytes"],
+                                 "load_bytes": stats["h2d_bytes"] / steps, "streaming": stats})
     if session.attention is not None:
         report["attention"] = session.attention.report()
     return report

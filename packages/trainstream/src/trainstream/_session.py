@@ -50,7 +50,8 @@ class TrainStreamSession:
     the attention chooser, ``.peer`` the peer-GPU pools (None until ts-peer).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device):
+    def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device, *,
+                 weights=None):
         self.model = model
         self.optimizer = optimizer
         self.config = options
@@ -64,6 +65,7 @@ class TrainStreamSession:
         self.guard = None
         self.activations = None
         self.attention = self._attention = None
+        self.weights = weights  # the WeightStreamer of param_offload=, attached below
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
@@ -114,14 +116,19 @@ class TrainStreamSession:
             for slot in trained:
                 self.engine.activate(slot)
             self.guard = ForwardGuard(model, self.engine)
+            if self.weights is not None:
+                self.weights.attach()
+                self.events.add("weights", self._streaming_message())
             self.activations = ActivationPolicy(model, options, device, self.arena, self.events,
                                                 reserved_link_bytes=self._upload_bytes_per_step)
+            if self.weights is not None and self.activations.offloader is not None:
+                self.activations.offloader.skip = self.weights.owns  # streamed weights are not activations
             self.attention = AttentionChooser(options.attention, events=self.events,
                                               may_reset_peak=lambda: self.adapting)
             self._attention = self.attention.install(model)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
             self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
-            self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
+            self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self._before_load())
             self._interrupts = interrupts.install()
         except BaseException:
             self.close()
@@ -137,6 +144,20 @@ class TrainStreamSession:
         self.adapting = on_gpu and (options.offload == "auto" or mode == "auto")
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
             self.events.add("plan", "no CUDA device: the optimizer stays on host threads")
+
+    def _before_load(self) -> None:
+        self.synchronize()
+        if self.weights is not None:
+            self.weights.evict_all()  # the load writes the host copies: no stale device copy may stay
+
+    def _streaming_message(self) -> str:
+        w = self.weights
+        trained = sum(1 for b in w.streamed.values() for m in [w.blocks[b.index]]
+                      for p in m.parameters() if p.requires_grad)
+        return (f"param_offload: the frozen weights of {len(w.streamed)} of {len(w.blocks)} blocks "
+                f"({w.host_bytes() / GiB:.2f} GiB) live in host memory and stream to the GPU, at most "
+                f"{w.capacity} blocks resident ({w.prefetch_depth} fetched ahead)"
+                + (f"; {trained} trained parameters in those blocks stay in VRAM" if trained else ""))
 
     def _upload_bytes_per_step(self) -> int:
         """Host->device bytes the host updates upload each step (the weights of host-placed slots)."""
@@ -220,6 +241,16 @@ class TrainStreamSession:
 
     # ---- teardown -------------------------------------------------------------------
 
+    def _remove_weights(self) -> None:
+        """The streamed weights become ordinary tensors: on the device when they fit, else on the host."""
+        weights, self.weights = self.weights, None
+        fits = _weights_fit(self)
+        weights.remove(to_device=fits)
+        if not fits:
+            import warnings
+            warnings.warn(f"trainstream: the streamed weights ({weights.host_bytes() / GiB:.2f} GiB) do not fit in the "
+                          f"free VRAM; they stay on the CPU after unwrap()", stacklevel=3)
+
     def close(self) -> None:
         """Waits for the updates, then removes every hook and thread, even when something fails."""
         try:
@@ -229,6 +260,8 @@ class TrainStreamSession:
             if self._attention is not None:
                 self._attention.remove()
                 self._attention = None
+            if self.weights is not None:
+                self._remove_weights()
             if self.activations is not None:
                 self.activations.remove()
             if self.guard is not None:
@@ -241,6 +274,13 @@ class TrainStreamSession:
             if self._interrupts:
                 interrupts.uninstall()
                 self._interrupts = False
+
+
+def _weights_fit(session: TrainStreamSession) -> bool:
+    if session.device.type != "cuda":
+        return True
+    free, _total = torch.cuda.mem_get_info(session.device)
+    return session.weights.host_bytes() * 1.05 < free
 
 
 def _no_session():

@@ -12,8 +12,11 @@ from ._optimizer import OffloadAdamW, _checked_entry
 from ._options import parse_options
 from ._session import TrainStreamSession
 from .engine import SlotState
+from .memory.activations import blocks_of
+from .memory.blocks import find_blocks
 from .memory.plan import vram_budget
 from .memory.quantize import choose_quantize, quantize_model
+from .memory.weights import WeightStreamer
 
 __all__ = ["unwrap", "wrap"]
 
@@ -67,14 +70,25 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     device = _training_device(model, opts.device)
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
-    fmt, why = _quantize_decision(model, device, opts)
+    streamer = _weight_streamer(model, device, opts)
+    if streamer is not None and opts.quantize == "auto":
+        fmt, why = None, "auto: param_offload streams the weights as they are stored, so none are quantized"
+    else:
+        fmt, why = _quantize_decision(model, device, opts)
+    if streamer is not None and fmt:
+        raise ValueError(f"param_offload streams weights as they are stored (bf16 / fp32); streaming {fmt} codes is "
+                         f"not built yet: pass quantize=None with param_offload, or drop param_offload")
     undo = _ModelUndo(model)
     session = None
+    origin = streamer.origin() if streamer is not None else None
     try:
         quantized = quantize_model(model, fmt, _replaced=undo.replaced) if fmt else None
-        if any(p.device != device for p in model.parameters()) or quantized:
+        if streamer is not None:
+            streamer.prepare()  # before the move: the streamed weights never reach the GPU whole
+            _move_except(model, device, streamer.param_ids)
+        elif any(p.device != device for p in model.parameters()) or quantized:
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
-        session = TrainStreamSession(model, converted, opts, device)
+        session = TrainStreamSession(model, converted, opts, device, weights=streamer)
         if why:
             session.events.add("quantize", why)
         if quantized:
@@ -93,11 +107,38 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
+        elif streamer is not None and origin is not None:
+            with contextlib.suppress(Exception):
+                streamer.remove(to_device=False, device=origin)  # the weights go back where they were
         undo.restore()
         raise
     if converted is optimizer:
         optimizer.state.clear()  # the state lives in the engine now
     return model, converted
+
+
+def _weight_streamer(model: torch.nn.Module, device: torch.device, opts) -> WeightStreamer | None:
+    """The streamer of param_offload= (None when off), checked before anything changes."""
+    if opts.param_offload is False:
+        return None
+    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    if not blocks:
+        raise ValueError("param_offload= needs the model's repeated blocks, and find_blocks() found none: "
+                         "pass blocks=[...]")
+    chosen = blocks_of("param_offload", opts.param_offload, len(blocks))
+    return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth)
+
+
+def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -> None:
+    """model.to(device) for every parameter and buffer except the streamed weights (`skip`: ids);
+    the Parameter objects stay, so the optimizer still refers to them."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in skip and p.device != device:
+                p.data = p.data.to(device)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 def _quantize_decision(model: torch.nn.Module, device: torch.device, opts) -> tuple[str | None, str | None]:

@@ -19,7 +19,7 @@ from .offload import ActivationOffloader
 from .recompute import Recompute, uses_hf_checkpointing
 from .tuner import Choice
 
-__all__ = ["ActivationPolicy", "check_block_choice"]
+__all__ = ["ActivationPolicy", "blocks_of", "check_block_choice", "check_param_offload"]
 
 
 def check_block_choice(name: str, value):
@@ -36,6 +36,22 @@ def check_block_choice(name: str, value):
         return list(value)
     raise ValueError(f"{name}={value!r} is not valid; use 'auto', True, False, a fraction in [0, 1] or a list of "
                      f"distinct block indices >= 0")
+
+
+def check_param_offload(value):
+    """param_offload=: the blocks whose frozen weights stream from host memory."""
+    if value == "auto":
+        raise ValueError("param_offload='auto' is not available yet (the planner that chooses it is being built); "
+                         "use True, False, a fraction in [0, 1] or a list of block indices")
+    try:
+        return check_block_choice("param_offload", value)
+    except ValueError:
+        raise ValueError(f"param_offload={value!r} is not valid; use True, False, a fraction in [0, 1] or a list of "
+                         f"distinct block indices >= 0") from None
+
+
+def blocks_of(name: str, value, count: int) -> list[int]:
+    return _blocks_of(name, value, count)
 
 
 def _blocks_of(name: str, value, count: int) -> list[int]:

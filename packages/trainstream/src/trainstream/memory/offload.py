@@ -71,6 +71,7 @@ class ActivationOffloader:
         # Blocks with hooks installed; set_paged() moves blocks among them between steps.
         self.candidates = sorted(set(self.paged if candidates is None else candidates) | set(self.paged))
         self.counted: set[int] = set()  # blocks whose saved bytes are measured but stay in VRAM
+        self.skip = lambda t: False  # tensors that are not activations (streamed weights)
         self.device = torch.device(device)
         self.prefetch_depth = prefetch_depth
         self.max_inflight_bytes = (1 << 30) if max_inflight_bytes is None else max_inflight_bytes
@@ -145,7 +146,8 @@ class ActivationOffloader:
 
     def _worth_moving(self, t: torch.Tensor) -> bool:
         return (t.device == self.device and t.numel() * t.element_size() >= self.min_bytes
-                and dense_layout_problem(t) is None and t.untyped_storage().data_ptr() not in self._own)
+                and dense_layout_problem(t) is None and t.untyped_storage().data_ptr() not in self._own
+                and not self.skip(t))
 
     def _count(self, index: int, t: torch.Tensor) -> torch.Tensor:
         if self._worth_moving(t):

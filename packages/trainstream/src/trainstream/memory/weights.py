@@ -1,0 +1,279 @@
+"""WeightStreamer: the frozen weights of chosen blocks live in host memory and visit the GPU.
+
+Each streamed block's frozen parameters are packed into one page-locked host buffer (beyond the
+page-lock budget, pageable), and the block has one device buffer whose *storage* exists only
+while the block is resident: at most ``prefetch_depth + 2`` blocks at once. A block is fetched
+(one H2D copy) when one of its modules is about to run, in forward, recomputation and backward
+alike (forward pre-hooks on the modules that own streamed weights, and hooks on their outputs'
+gradients), and the next ``prefetch_depth`` blocks in that direction are fetched behind it.
+
+While a block is resident its parameters point at the device buffer (``param.data``); otherwise
+at their host copies, so a read of the model (``state_dict``, ``deepcopy``, user code) always sees
+the right values (as CPU tensors when not resident). Why the storage,
+not a new tensor per visit: autograd saves views of a weight (``W.t()`` for a linear layer);
+views share the storage object, so re-materializing the same storage makes them valid again in
+backward. (A tensor per visit would leave those views on memory another block has reused.)
+
+Invariants:
+  1. The host copy is complete and authoritative (frozen weights do not change in training); a
+     device buffer is a copy of it while resident, and has no storage otherwise.
+  2. A device buffer's storage is allocated while the H2D stream is current and handed to the
+     compute stream at each use (``record_stream``), so freeing it waits for the kernels that
+     read it, and the copy into it never races memory the compute stream just freed.
+  3. The compute stream uses a block only after its copy (an event), and the block in use is
+     never evicted.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import ts_pinned
+
+from ..engine.channel import channel_for
+from ..engine.hooks import EngineHook
+
+__all__ = ["WeightStreamer", "frozen_params_of"]
+
+
+def _tensors(value, depth: int = 0):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)) and depth < 2:
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif isinstance(value, dict) and depth < 2:
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
+
+_ALIGN = 256  # bytes: each parameter's view starts aligned for vectorized kernels
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(owner module, name, parameter) of each frozen parameter of `block`, each once."""
+    seen, out = set(), []
+    for module in block.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p is not None and not p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((module, name, p))
+    return out
+
+
+class _Block:
+    __slots__ = ("device", "host", "index", "nbytes", "offsets", "params", "ready", "used")
+
+    def __init__(self, index: int, params):
+        self.index = index
+        self.params = params  # [(module, name, param)]
+        self.offsets, offset = [], 0
+        for _m, _n, p in params:
+            self.offsets.append(offset)
+            offset += _align(p.numel() * p.element_size())
+        self.nbytes = offset
+        self.host = None  # flat uint8 host buffer
+        self.device = None  # flat uint8 device buffer; storage size 0 when not resident
+        self.ready = None  # event after its copy
+        self.used = False  # handed to the compute stream since the fetch
+
+
+class WeightStreamer:
+    """Streams the frozen weights of ``blocks[i]`` for each i in ``streamed``.
+
+    ``prepare()`` (before the model moves to the device) copies them into host buffers and points
+    the parameters there; ``attach()`` creates the device buffers (without storage) and installs
+    the hooks; ``remove()`` puts the weights back on the device (``to_device``) or leaves them on
+    the host, as ordinary tensors.
+    """
+
+    def __init__(self, blocks: list[torch.nn.Module], streamed, *, device: torch.device, prefetch_depth: int = 1,
+                 arena: ts_pinned.PinnedArena | None = None):
+        self.blocks = list(blocks)
+        self.device = torch.device(device)
+        self.prefetch_depth = prefetch_depth
+        self.arena = arena or ts_pinned.default_arena()
+        self.channel = channel_for(self.device)
+        blocks_ = {i: _Block(i, frozen_params_of(self.blocks[i])) for i in sorted(set(streamed))}
+        self.streamed = {i: b for i, b in blocks_.items() if b.params}
+        self.capacity = self.prefetch_depth + 2  # resident blocks at most
+        self._modules: dict[int, tuple[torch.nn.Module, int]] = {}
+        for i, b in self.streamed.items():
+            for module, _n, _p in b.params:
+                self._modules[id(module)] = (module, i)
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident blocks
+        self._current: int | None = None
+        self._handles, self._hooks = [], []
+        self.peak_resident = 0
+        self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0}
+
+    # ---- setting up -----------------------------------------------------------------
+
+    @property
+    def param_ids(self) -> set[int]:
+        return {id(p) for b in self.streamed.values() for _m, _n, p in b.params}
+
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.streamed.values())
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        return buffer[offset:offset + n].view(like.dtype).view(like.shape)
+
+    def prepare(self) -> None:
+        """Copies each streamed block's frozen weights into one host buffer; the parameters then
+        point at their host copies (the old storage is released where nothing else holds it)."""
+        for b in self.streamed.values():
+            host = self.arena.empty(b.nbytes, torch.uint8, tag="weights", allow_pageable=True)
+            for (_m, _n, p), offset in zip(b.params, b.offsets):
+                view = self._view(host, offset, p)
+                view.copy_(p.detach())
+                p.data = view
+            b.host = host
+
+    def attach(self) -> WeightStreamer:
+        for b in self.streamed.values():
+            b.device = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+            b.device.untyped_storage().resize_(0)
+        for module, index in self._modules.values():
+            hooks = [EngineHook(self._before_forward(index)), EngineHook(self._after_forward(index))]
+            self._hooks += hooks
+            self._handles += [module.register_forward_pre_hook(hooks[0]), module.register_forward_hook(hooks[1])]
+        return self
+
+    # ---- hooks ---------------------------------------------------------------------------
+
+    def _before_forward(self, index: int):
+        def hook(_module, _args):
+            # A forward inside backward is a recomputation: the next blocks are the earlier ones.
+            self.use(index, -1 if torch._C._current_graph_task_id() >= 0 else 1)
+        return hook
+
+    def _after_forward(self, index: int):
+        """Backward needs the block again before the first node that reads its weights: those nodes
+        all come after the output's own node, so a hook on the output's gradient fetches it. (A
+        module backward hook would do too, but it reorders gradient sums: not bit-exact.)"""
+        def on_grad(_grad):
+            self.use(index, -1)
+
+        def hook(_module, _args, output):
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad and t.grad_fn is not None:
+                        t.register_hook(on_grad)
+        return hook
+
+    def use(self, index: int, ahead: int = 1) -> None:
+        """Block `index` is about to run: resident before the compute stream continues; the next
+        ``prefetch_depth`` streamed blocks in direction `ahead` are fetched behind it."""
+        self._current = index
+        self._fetch(index)
+        b = self.streamed[index]
+        self.channel.compute_wait(b.ready)
+        if self.channel.is_cuda and not b.used:
+            b.device.record_stream(torch.cuda.current_stream(self.device))  # invariant 2
+            b.used = True
+        order = sorted(self.streamed) if ahead > 0 else sorted(self.streamed, reverse=True)
+        later = [i for i in order if (i > index if ahead > 0 else i < index)][: self.prefetch_depth]
+        for i in later:
+            if i not in self._lru:
+                self._fetch(i)
+                self.counters["prefetched"] += 1
+
+    # ---- resident blocks --------------------------------------------------------------------
+
+    def _point(self, b: _Block, device: bool) -> None:
+        """Invariant 1: resident weights are the device copies, the others the host copies."""
+        for (_m, _n, p), offset in zip(b.params, b.offsets):
+            p.data = self._view(b.device if device else b.host, offset, p)
+
+    def _fetch(self, index: int) -> None:
+        if index in self._lru:
+            self._lru.move_to_end(index)
+            return
+        while len(self._lru) >= self.capacity:
+            victim = next((i for i in self._lru if i != self._current), None)
+            if victim is None:
+                break
+            self._evict(victim)
+        b = self.streamed[index]
+        if self.channel.is_cuda:
+            h2d = self.channel.h2d
+            with torch.cuda.device(self.device), torch.cuda.stream(h2d):
+                b.device.untyped_storage().resize_(b.nbytes)
+                b.device.copy_(b.host, non_blocking=True)
+                b.ready = torch.cuda.Event()
+                b.ready.record(h2d)
+        else:
+            b.device.untyped_storage().resize_(b.nbytes)
+            b.device.copy_(b.host)
+            b.ready = None
+        b.used = False
+        self._point(b, device=True)
+        self.channel.stats.count("h2d", b.nbytes)
+        self._lru[index] = None
+        self.peak_resident = max(self.peak_resident, len(self._lru))
+        self.counters["fetches"] += 1
+        self.counters["h2d_bytes"] += b.nbytes
+
+    def _evict(self, index: int) -> None:
+        b = self.streamed[index]
+        if self.channel.is_cuda and not b.used:
+            # Fetched ahead but never used: the compute stream never saw it; the copy must finish.
+            torch.cuda.current_stream(self.device).wait_event(b.ready)
+            b.device.record_stream(torch.cuda.current_stream(self.device))
+        self._point(b, device=False)
+        b.device.untyped_storage().resize_(0)  # freed once the compute stream is past its uses
+        self._lru.pop(index, None)
+        self.counters["evictions"] += 1
+
+    def evict_all(self) -> None:
+        for index in list(self._lru):
+            self._evict(index)
+
+    # ---- teardown ---------------------------------------------------------------------------
+
+    def origin(self) -> torch.device | None:
+        """Where the streamed weights are before prepare() (for undoing a failed wrap())."""
+        for b in self.streamed.values():
+            return b.params[0][2].device
+        return None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """True for a view of a resident block's device buffer (a weight autograd saved)."""
+        if t.device != self.device:
+            return False
+        ptr = t.data_ptr()
+        for i in self._lru:
+            base = self.streamed[i].device
+            if base.data_ptr() <= ptr < base.data_ptr() + self.streamed[i].nbytes:
+                return True
+        return False
+
+    def remove(self, to_device: bool = True, device: torch.device | None = None) -> None:
+        """Removes the hooks; the weights become ordinary tensors on the device (or `device`, or the host)."""
+        for handle in self._handles:
+            handle.remove()
+        for hook in self._hooks:
+            hook.disable()
+        self._handles, self._hooks = [], []
+        self.evict_all()
+        for b in self.streamed.values():
+            for (_m, _n, p), offset in zip(b.params, b.offsets):
+                if b.host is None:
+                    continue  # prepare() did not reach this block
+                host = self._view(b.host, offset, p)
+                where = self.device if to_device else (device or torch.device("cpu"))
+                p.data = host.to(where, copy=True)
+            b.device = b.ready = None
+
+    def stats(self) -> dict:
+        resident = sum(self.streamed[i].nbytes for i in self._lru)
+        return {**self.counters, "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
+                "resident_blocks": len(self._lru), "peak_resident_blocks": self.peak_resident,
+                "device_bytes": resident}
