@@ -118,31 +118,47 @@ def test_dpo_precomputed_reference_columns_come_from_reference_logprobs(tmp_path
     trainstream.unwrap(ours.model)
 
 
-def test_grpo_trains_two_steps_with_a_python_reward(tmp_path):
+def _grpo(cls, tmp_path, reward, **kwargs):
+    config = trl.GRPOConfig(**_common(tmp_path, max_steps=2, gradient_accumulation_steps=1, num_generations=2,
+                                      max_completion_length=6))
+    prompts = datasets.Dataset.from_list([{"prompt": p} for p in ["the cat", "a dog", "hello", "sky is"]])
+    return cls(model=tiny_llama(), reward_funcs=reward, args=config, train_dataset=prompts,
+               processing_class=_tokenizer(), peft_config=_lora(), **kwargs)
+
+
+def test_grpo_trains_two_steps_with_a_python_reward_as_stock_does(tmp_path, monkeypatch):
     seen = []
 
     def reward(completions, **kwargs):
         seen.append(len(completions))
         return [float(len(c)) + c.count("a") for c in completions]
 
-    config = trl.GRPOConfig(**_common(tmp_path, max_steps=2, gradient_accumulation_steps=1, num_generations=2,
-                                      max_completion_length=6))
-    prompts = datasets.Dataset.from_list([{"prompt": p} for p in ["the cat", "a dog", "hello", "sky is"]])
-    trainer = ts_trl.TrainStreamGRPOTrainer(model=tiny_llama(), reward_funcs=reward, args=config,
-                                            train_dataset=prompts, processing_class=_tokenizer(),
-                                            peft_config=_lora())
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
-    session = trainer.model._trainstream_session
-    session.synchronize()
-    assert session.steps == 2 and session.config.max_grad_norm == CLIP
-    assert seen and sum(seen) >= 4  # completions scored by the Python function
-    assert len(_logged(trainer, "loss")) == 2
-    assert all(torch.isfinite(torch.tensor(_logged(trainer, "loss"))))
-    assert all(norm == session.engine.last_grad_norm or norm >= 0 for norm in _logged(trainer, "grad_norm"))
-    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
-    assert changed  # the adapters trained
-    trainstream.unwrap(trainer.model)
+    stock = _grpo(trl.GRPOTrainer, tmp_path / "stock", reward)
+    stock.train()
+    caches = []
+    from trainstream.integrations import kvcache
+
+    real = kvcache.TrainStreamCache.__init__
+    monkeypatch.setattr(kvcache.TrainStreamCache, "__init__", lambda self, *a, **k: caches.append(k) or real(self, *a, **k))
+    for kv in (False, True):
+        caches.clear()
+        seen.clear()
+        ours = _grpo(ts_trl.TrainStreamGRPOTrainer, tmp_path / f"ours{kv}", reward, trainstream={"kv_cache": kv})
+        before = {n: p.detach().clone() for n, p in ours.model.named_parameters() if p.requires_grad}
+        ours.train()
+        session = ours.model._trainstream_session
+        session.synchronize()
+        assert session.steps == 2 and session.config.max_grad_norm == CLIP
+        assert sum(seen) >= 4  # completions scored by the Python function
+        assert len(caches) == (2 if kv else 0)  # one paged cache per generation, sized prompt + completion
+        assert all(k["max_tokens"] > 6 for k in caches)
+        # Same sampled completions, rewards, losses and norms as the stock trainer (the paged cache included).
+        for key in ("loss", "reward", "grad_norm"):
+            assert _logged(ours, key) == pytest.approx(_logged(stock, key), rel=1e-5, abs=1e-7)
+        assert any(not torch.equal(p, before[n]) for n, p in ours.model.named_parameters() if p.requires_grad)
+        trainstream.unwrap(ours.model)
+    with pytest.raises(ValueError, match="kv_cache"):
+        _grpo(ts_trl.TrainStreamGRPOTrainer, tmp_path / "bad", reward, trainstream={"kv_cache": "yes"})
 
 
 def _wrapped_lora(**options):

@@ -79,7 +79,46 @@ class TrainStreamSFTTrainer(TrainStreamMixin, trl.SFTTrainer):
 
 class TrainStreamGRPOTrainer(TrainStreamMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` trained with TrainStream (see ``TrainStreamMixin``); generation runs on the
-    wrapped model."""
+    wrapped model. ``trainstream={"kv_cache": True}`` (or a dict of ``TrainStreamCache`` options such as
+    ``resident_layers`` and ``page_tokens``) generates with the paged KV cache, its pages in host
+    memory, released after each generation; transformers' generation only (not vLLM)."""
+
+    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
+        options = dict(trainstream or {})
+        kv = options.pop("kv_cache", False)
+        if not isinstance(kv, (bool, dict)):
+            raise ValueError(f"trainstream={{'kv_cache': {kv!r}}} is not valid; use True, False or a dict of "
+                             f"TrainStreamCache options")
+        self._ts_kv_cache = {} if kv is True else (dict(kv) if isinstance(kv, dict) else None)
+        super().__init__(*args, trainstream=options, **kwargs)
+        if self._ts_kv_cache is not None and getattr(self.args, "use_vllm", False):
+            raise ValueError("trainstream={'kv_cache': ...} is for transformers' generate(); with use_vllm=True "
+                             "vLLM keeps its own cache: leave kv_cache out")
+
+    def _generate_single_turn(self, *args, **kwargs):
+        if self._ts_kv_cache is None:
+            return super()._generate_single_turn(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        generate = model.generate
+        options = self._ts_kv_cache
+        new_tokens = self.max_completion_length
+
+        def paged_generate(*g_args, **g_kwargs):
+            from .kvcache import TrainStreamCache
+
+            prompt = g_kwargs["input_ids"].shape[1] if "input_ids" in g_kwargs else 0
+            cache = TrainStreamCache(model, max_tokens=prompt + new_tokens, **options)
+            try:
+                return generate(*g_args, past_key_values=cache, **g_kwargs)
+            finally:
+                cache.release()  # training needs the memory back
+
+        # TRL calls model.generate inside; the instance attribute shadows the method for this call only.
+        model.generate = paged_generate
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            del model.generate
 
 
 class TrainStreamDPOTrainer(TrainStreamMixin, trl.DPOTrainer):
