@@ -8,6 +8,10 @@ code before the plans). The input requires grad, as in LoRA training.
 
     python tools/bench/quant_overhead.py                 # CUDA when there is a GPU, else the CPU
     python tools/bench/quant_overhead.py --device cpu --format nf4 --size 512 --rows 8
+    python tools/bench/quant_overhead.py --device cpu --python-only --size 64 --rows 2
+
+--python-only (CPU): the native decode calls return at once, so what is left is the Python-side
+cost of a call (checks, plan lookup, autograd.Function, allocation) beside F.linear's.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
+    parser.add_argument("--python-only", action="store_true", help="CPU: stub the native decode (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -69,6 +74,25 @@ def main() -> None:
     wd = q.dequantize(dtype)  # F.linear multiplies the same decoded weight
     x = torch.randn(args.rows, args.size, device=device, dtype=dtype)
     path = ts_quant.linear_path(x, q)
+    if args.python_only:
+        if device.type != "cpu":
+            parser.error("--python-only is for CPU runs")
+        core = ts_quant._core
+
+        class Stubbed:  # the real module for everything but the two decode entry points
+            def __getattr__(self, name):
+                return getattr(core, name)
+
+            @staticmethod
+            def dequantize(*args):
+                return None
+
+            @staticmethod
+            def dequantize_at(*args):
+                return None
+
+        ts_quant._native._core = ts_quant._plan._core = Stubbed()
+        path += " (native decode stubbed)"
     print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"format={args.format}, W {args.size}x{args.size}, x {args.rows}x{args.size} bf16, path={path}, "
           f"{args.layers} layers, median of {args.repeats}")
