@@ -101,3 +101,23 @@ def test_moved_weight_gets_its_own_plan():
         with torch.cuda.device(0):  # a weight and x on a device other than the current one
             out = ts_quant.quantized_linear(x.to("cuda:1"), q1)
         assert torch.equal(out.cpu(), on_gpu.cpu())
+
+
+@pytest.mark.parametrize("fmt,double_quant", [("nf4", True), ("nf4", False), ("int8", False)])
+def test_a_first_call_inside_a_graph_capture_leaves_no_plan_behind(fmt, double_quant):
+    """Built inside a capture, a plan would keep decoded scales only a replay writes: that call runs
+    unplanned, and eager calls after it build their own plan, with the uncached bits."""
+    q = _weight(fmt, double_quant=double_quant)
+    static_x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        static_out = ts_quant.quantized_linear(static_x, q)
+    assert not q._cache
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = ts_quant.quantized_linear(static_x, q)
+    assert q._cache
+    assert torch.equal(eager, _uncached(lambda: ts_quant.quantized_linear(static_x, q)))
+    assert torch.equal(static_out, eager)

@@ -145,6 +145,12 @@ def _forward(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None, o
     return F.linear(x2d, q.dequantize(x2d.dtype), bias)
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured: a plan built then would keep tensors (decoded scales) that
+    the capture allocated but only a replay writes, so that call runs unplanned."""
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _build_plan(x: torch.Tensor, q: QuantizedTensor) -> _plan.LinearPlan:
     """A plan for x's device and dtype, its paths chosen as linear_path chooses them (operands checked)."""
     generation = _generation[0]
@@ -250,7 +256,7 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tens
         plan = _plan.cached_plan(qweight, x, _generation[0])
     if plan is None or x.shape[-1] != plan.k or outliers or (bias is not None and bias.shape != (plan.n,)):
         _check_operands(x, qweight, bias, outliers)
-        if _settings["cache"] and plan is None:
+        if _settings["cache"] and plan is None and not _capturing(x):
             plan = _build_plan(x, qweight)
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         return _run(x, qweight, plan, bias, float(outliers))  # no graph to record
