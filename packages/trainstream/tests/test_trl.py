@@ -12,6 +12,7 @@ from ts_testing import tiny_llama
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
 
 from trainstream.integrations import trl as ts_trl  # noqa: E402  (needs trl)
 
@@ -41,7 +42,7 @@ def _lora():
 
 
 def _common(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
                 learning_rate=5e-3, max_grad_norm=CLIP, logging_steps=1, report_to=[], use_cpu=True,
                 save_strategy="no", disable_tqdm=True, seed=0, data_seed=0)
     base.update(overrides)
@@ -63,13 +64,17 @@ def _dpo(cls, tmp_path, model=None, trainer_kwargs=None, **overrides):
 
 
 def _assert_same_run(ours, stock):
-    assert len(_logged(ours, "loss")) == len(_logged(stock, "loss")) == 3
+    assert len(_logged(ours, "loss")) == len(_logged(stock, "loss")) == 2  # the second after a clipped update
     assert _logged(ours, "loss") == pytest.approx(_logged(stock, "loss"), abs=1e-5)
     assert all(norm > CLIP for norm in _logged(stock, "grad_norm"))  # clipping was active
     assert _logged(ours, "grad_norm") == pytest.approx(_logged(stock, "grad_norm"), rel=1e-5)
-    for (name, a), (_, b) in zip(ours.model.named_parameters(), stock.model.named_parameters()):
-        if "lora" in name:
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    theirs = dict(stock.model.named_parameters())
+    # The trained adapter ("default"; TRL adds a frozen "ref" copy to a model that comes with one).
+    lora = [name for name, p in ours.model.named_parameters() if "lora" in name and p.requires_grad]
+    assert lora and set(lora) <= set(theirs)
+    mine = dict(ours.model.named_parameters())
+    for name in lora:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_sft_matches_stock_with_clipping_and_accumulation(tmp_path):
@@ -99,6 +104,14 @@ def test_dpo_matches_stock_with_clipping(tmp_path):
     assert config.max_grad_norm == CLIP and ours.args.max_grad_norm == 0.0
     _assert_same_run(ours, stock)
     trainstream.unwrap(ours.model)
+    # An optimizer attached beforehand with the config's clipping and accumulation trains the same way.
+    model, opt = _wrapped_lora(accumulation_steps=2, max_grad_norm=CLIP)
+    attached, _ = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "attached", model=model,
+                       trainer_kwargs={"optimizers": (opt, None)})
+    attached.train()
+    attached.model._trainstream_session.synchronize()
+    _assert_same_run(attached, stock)
+    trainstream.unwrap(model)
 
 
 def test_dpo_precomputed_reference_columns_come_from_reference_logprobs(tmp_path, monkeypatch):
@@ -162,7 +175,9 @@ def test_grpo_trains_two_steps_with_a_python_reward_as_stock_does(tmp_path, monk
 
 
 def _wrapped_lora(**options):
-    model = peft.get_peft_model(tiny_llama(), _lora())
+    model = tiny_llama()
+    transformers.set_seed(0)  # as TRL does before it adds the adapters: the same LoRA initialization
+    model = peft.get_peft_model(model, _lora())
     # The Trainer's own AdamW would have these hyper-parameters (TrainingArguments' weight_decay is 0).
     opt = trainstream.OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.0)
     return wrap_hf(model, opt, **options)
@@ -192,18 +207,7 @@ def test_a_trainstream_trainer_given_an_attached_optimizer_checks_it(tmp_path):
         processing_class=_tokenizer(), optimizers=(opt, None))
     with pytest.raises(ValueError, match=r"TrainStreamDPOTrainer has max_grad_norm=0\.05"):
         trainer.train()
-    trainstream.unwrap(model)
-    # Matching settings: it trains as the stock trainer does, with the real norm in the logs.
-    model, opt = _wrapped_lora(accumulation_steps=2, max_grad_norm=CLIP)
-    ours = ts_trl.TrainStreamDPOTrainer(
-        model=model, args=trl.DPOConfig(**_common(tmp_path / "b")), train_dataset=datasets.Dataset.from_list(PAIRS),
-        processing_class=_tokenizer(), optimizers=(opt, None))
-    ours.train()
-    stock = trl.DPOTrainer(model=peft.get_peft_model(tiny_llama(), _lora()),
-                           args=trl.DPOConfig(**_common(tmp_path / "c")),
-                           train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=_tokenizer())
-    stock.train()
-    _assert_same_run(ours, stock)
+    assert model._trainstream_session.steps == 0
     trainstream.unwrap(model)
 
 
@@ -234,7 +238,7 @@ def test_trainstream_trainer_logs_the_real_grad_norm(tmp_path):
                                                                                          max_grad_norm=0.0)),
                                    train_dataset=rows)
     unclipped.train()
-    assert _logged(unclipped, "grad_norm") == [] and len(_logged(unclipped, "loss")) == 3
+    assert _logged(unclipped, "grad_norm") == [] and len(_logged(unclipped, "loss")) == 2
     trainstream.unwrap(unclipped.model)
 
 
@@ -242,7 +246,7 @@ def test_trainstream_trainer_logs_the_real_grad_norm(tmp_path):
                    reason="needs OffloadAdamW.train() calling integrations.huggingface._refuse_unhonoured_trainer")
 def test_a_stock_trainer_without_the_callback_is_refused_at_its_first_step(tmp_path):
     model, opt = _wrapped_lora(accumulation_steps=2)  # no clipping; the config asks max_grad_norm=0.05
-    trainer, _ = _dpo(trl.DPOTrainer, tmp_path, model=model, trainer_kwargs={"optimizers": (opt, None)})
+    trainer, _ = _dpo(trl.DPOTrainer, tmp_path, model=model, trainer_kwargs={"optimizers": (opt, None)}, max_steps=1)
     try:
         with pytest.raises(ValueError, match=r"DPOTrainer has max_grad_norm=0\.05.*silently"):
             trainer.train()
