@@ -221,7 +221,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             # the plan's dequantize where it still holds (the weight may have been written since forward)
             if plan is not None and plan.generation == _generation[0] and plan.token == _plan.weight_token(qweight) \
                     and grad_out.device == plan.device:
-                w = plan.dequantize(grad_out.dtype)
+                w = plan.dequantize(grad_out)
             else:
                 w = qweight.dequantize(grad_out.dtype)
             if grad_out.dim() >= 2:  # matmul folds the leading dims into one mm itself: the same bits

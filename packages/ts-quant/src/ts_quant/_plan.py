@@ -88,9 +88,11 @@ class LinearPlan:
                 self.code_map = _core.fused_code_map(self.format_id, q.data, self.n, self.k)
         self.streams: dict[int, tuple[int, int, int, int]] = {}
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """q.dequantize(dtype), by addresses (the plan must be valid for q)."""
-        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+    def dequantize(self, like: torch.Tensor) -> torch.Tensor:
+        """q.dequantize(like.dtype), by addresses; `like` is on this plan's device (the plan must be valid
+        for q). new_empty: about 2 us less than torch.empty with dtype and device keywords."""
+        dtype = like.dtype
+        out = like.new_empty(self.shape)
         if self.numel:
             rows, cols = self.geometry
             index = self.index
@@ -102,7 +104,7 @@ class LinearPlan:
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None, m: int) -> torch.Tensor:
         """_fused.fused_linear by addresses: x contiguous bf16, 16-byte aligned, [..., k] with m rows;
         bias None or contiguous bf16 [n] on x's device. The output has x's leading dims."""
-        out = torch.empty((*x.shape[:-1], self.n), dtype=torch.bfloat16, device=x.device)
+        out = x.new_empty((*x.shape[:-1], self.n))  # bf16 like x
         if m == 0:
             return out
         index = self.index
@@ -132,7 +134,7 @@ def cached_plan(q: QuantizedTensor, x: torch.Tensor, generation: int) -> LinearP
 def dequantize_linear(x: torch.Tensor, plan: LinearPlan, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x2d, q.dequantize(x.dtype), bias) reshaped to x's leading dims, without reshapes where
     F.linear gives the same bits (2-D x, or contiguous x: it folds the leading dims itself)."""
-    w = plan.dequantize(x.dtype)
+    w = plan.dequantize(x)
     dim = x.dim()
     if dim == 2 or (dim > 2 and x.is_contiguous()):
         return F.linear(x, w, bias)
