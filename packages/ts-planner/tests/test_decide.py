@@ -21,8 +21,8 @@ small_shapes = st.builds(
     lambda h, heads, i, layers, v: ModelShape(h * heads, i, layers, heads, 2, v),
     st.sampled_from([32, 64]), st.sampled_from([4, 8]), st.integers(256, 4096), st.integers(1, 12),
     st.integers(1000, 50_000))
-budgets = st.builds(lambda v, h, p: Budget(v, h, min(p, h)), st.integers(0, 4 * GiB), st.integers(0, 8 * GiB),
-                    st.integers(0, 8 * GiB))
+_bytes = st.floats(0.0, 8.0).map(lambda g: int(g * GiB))  # integers() would favour tiny values
+budgets = st.builds(lambda v, h, p: Budget(v // 2, h, min(p, h)), _bytes, _bytes, _bytes)
 requests = st.fixed_dictionaries({
     "batch": st.integers(1, 4), "seq": st.sampled_from([128, 512, 2048]), "train": st.sampled_from(["full", "lora"]),
     "loss_chunk": st.sampled_from([None, 256]), "prefer": st.sampled_from(["exact", "speed"])})
@@ -40,7 +40,7 @@ def _reductions(plan) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(shape=small_shapes, budget=budgets, extra=st.integers(0, 4 * GiB), data=st.data())
+@given(shape=small_shapes, budget=budgets, extra=_bytes, data=st.data())
 def test_check_plan_more_memory_never_stops_a_fit(shape, budget, extra, data):
     o = Options(batch=data.draw(st.integers(1, 4)), seq=512, recompute=data.draw(st.integers(0, shape.num_hidden_layers)))
     tight = check_plan(shape, budget, o)
@@ -49,9 +49,19 @@ def test_check_plan_more_memory_never_stops_a_fit(shape, budget, extra, data):
             assert check_plan(shape, roomy, o).fits
 
 
+def _relative_budget(shape, request, data) -> Budget:
+    """A budget around what the request needs with nothing reduced (where the choices happen)."""
+    whole = estimate_memory(shape, Options(batch=request["batch"], seq=request["seq"], train=request["train"],
+                                           loss_chunk=request["loss_chunk"]))
+    vram, host, pinned = (data.draw(st.floats(0.0, top)) for top in (1.5, 2.0, 2.0))
+    return Budget(int(vram * whole.allocator_bytes), int(host * whole.host_bytes), int(pinned * whole.host_bytes))
+
+
 @settings(max_examples=120, deadline=None)
-@given(shape=small_shapes, budget=budgets, extra=st.integers(1, 4 * GiB), request=requests)
-def test_more_vram_never_quantizes_streams_or_reduces_more(shape, budget, extra, request):
+@given(shape=small_shapes, request=requests, data=st.data())
+def test_more_vram_never_quantizes_streams_or_reduces_more(shape, request, data):
+    budget = _relative_budget(shape, request, data)
+    extra = int(data.draw(st.floats(0.0, 1.0)) * budget.vram_bytes) + 1
     tight = plan_memory(shape, budget, **request)
     roomy = plan_memory(shape, _more(budget, vram=extra), **request)
     for plan in (tight, roomy):
@@ -66,11 +76,16 @@ def test_more_vram_never_quantizes_streams_or_reduces_more(shape, budget, extra,
     if request["prefer"] == "exact":
         assert key(roomy) <= key(tight)
     assert _Q_RANK[roomy.options.quantize] <= _Q_RANK[tight.options.quantize]
+    if roomy.options.quantize == tight.options.quantize:
+        assert roomy.options.recompute <= tight.options.recompute or roomy.options.streamed_blocks < \
+            tight.options.streamed_blocks
 
 
 @settings(max_examples=120, deadline=None)
-@given(shape=small_shapes, budget=budgets, extra=st.integers(1, 8 * GiB), request=requests)
-def test_more_host_ram_never_refuses_what_less_accepted(shape, budget, extra, request):
+@given(shape=small_shapes, request=requests, data=st.data())
+def test_more_host_ram_never_refuses_what_less_accepted(shape, request, data):
+    budget = _relative_budget(shape, request, data)
+    extra = int(data.draw(st.floats(0.0, 1.0)) * budget.host_bytes) + 1
     tight = plan_memory(shape, budget, **request)
     if tight.fits:
         assert plan_memory(shape, _more(budget, host=extra, pinned=extra), **request).fits
@@ -92,6 +107,35 @@ def test_a_refusal_names_the_category_that_overflows(shape, data):
     assert f"the largest part: {category}" in plan.reason and "of VRAM" in plan.reason
     plan = check_plan(shape, Budget(room, e.host_bytes - 1, room), o)
     assert [(b, c) for b, c, _ in plan.overflow] == [("host RAM", max(e.host, key=e.host.get))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.builds(lambda layers, i: ModelShape(256, i, layers, 4, 2, 4000), st.integers(1, 5),
+                       st.integers(256, 2048)),
+       train=st.sampled_from(["full", "lora"]), seq=st.sampled_from([256, 2048]), data=st.data())
+def test_the_plan_is_the_least_change_that_fits(shape, train, seq, data):
+    # Every candidate, checked one by one: plan_memory must fit when any does, and pick the least
+    # (quantization, streamed blocks, blocks recomputed or paged) that fits. Budgets around the model's own size.
+    whole = estimate_memory(shape, Options(batch=1, seq=seq, train=train))
+    vram, host, pinned = (data.draw(st.floats(0.0, top)) for top in (2.0, 3.0, 3.0))
+    budget = Budget(int(vram * whole.allocator_bytes), int(host * whole.host_bytes), int(pinned * whole.host_bytes))
+    layers, fitting = shape.num_hidden_layers, []
+    for q in ((None,) if train == "full" else (None, "int8", "nf4")):
+        for s in range(layers + 1):
+            for n in range(layers + 1):
+                for opt in ("gpu", "host"):
+                    if opt == "gpu" and train == "full" and s:
+                        continue
+                    for mom in ("float32", "bfloat16"):
+                        for page in (0, n):
+                            o = Options(batch=1, seq=seq, train=train, quantize=q, optimizer=opt, moment_dtype=mom,
+                                        streamed_blocks=s, page=page, recompute=n - page)
+                            if check_plan(shape, budget, o).fits:
+                                fitting.append((_Q_RANK[q], s, n))
+    plan = plan_memory(shape, budget, batch=1, seq=seq, train=train)
+    assert plan.fits == bool(fitting)
+    if fitting:
+        assert (_Q_RANK[plan.options.quantize], plan.options.streamed_blocks, _reductions(plan)) == min(fitting)
 
 
 def test_h200_choices_for_the_measured_scenarios():

@@ -102,6 +102,9 @@ def test_estimates_grow_with_batch_seq_and_layers(shape, data):
         e = estimate_memory(shape, bigger)
         assert e.allocator_bytes >= base.allocator_bytes and e.host_bytes >= base.host_bytes
         assert e.saved_bytes > base.saved_bytes and e.flops > base.flops
+        # Each category on its own (the backward working set counts only its excess over the loss's peak).
+        for part, before in ((e.vram, base.vram), (e.host, base.host), (e.pinned, base.pinned)):
+            assert all(part[k] >= before[k] for k in part if k != "backward_working_set")
     # One more block, kept as the last one is (or streamed when it streams everything).
     deeper = dataclasses.replace(shape, num_hidden_layers=shape.num_hidden_layers + 1)
     more = dataclasses.replace(o, keep=None) if o.keep is None else dataclasses.replace(o, keep=o.keep + 1)

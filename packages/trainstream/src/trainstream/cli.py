@@ -1,5 +1,8 @@
 """`trainstream`: fine-tune a built-in decoder through wrap(), with the plan first,
-a progress bar, and the memory report at the end. Runs on a CPU-only machine too."""
+a progress bar, and the memory report at the end. Runs on a CPU-only machine too.
+
+`trainstream plan MODEL`: what a training run of MODEL needs and the plan that fits, from its
+config alone (see `trainstream plan --help`)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import time
 
 import torch
 
-__all__ = ["SIZES", "build_model", "main"]
+__all__ = ["PLAN_SIZES", "SIZES", "build_model", "main", "plan_main"]
 
 # Random-init Qwen2-style decoders; the 0.5b and 1.5b rows use Qwen2.5's published shapes.
 SIZES = {
@@ -93,7 +96,8 @@ def _json_path(text: str) -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="trainstream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="trainstream", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto",
                         help="model size (auto: tiny on the CPU, small on a GPU)")
     parser.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30)")
@@ -117,6 +121,134 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# ---- `trainstream plan`: the memory plan from a config alone -------------------------------------------
+
+# Qwen2.5's published shapes (tied embeddings up to 3B), and the demo's small decoders.
+PLAN_SIZES = {
+    "tiny": dict(SIZES["tiny"], tie_word_embeddings=True),
+    "small": dict(SIZES["small"], tie_word_embeddings=True),
+    "0.5b": dict(SIZES["0.5b"], tie_word_embeddings=True),
+    "1.5b": dict(SIZES["1.5b"], tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+}
+PLAN_EXIT_REFUSED = 3
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainstream plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="What one training step of MODEL needs (VRAM, host RAM, page-locked RAM, by category) and "
+                    "the plan that fits: quantization, streamed blocks, activations kept / paged / recomputed, "
+                    "optimizer placement and moment precision. Reads the config only, never the weights.",
+        epilog="Exit code 0 when a plan fits, 3 when none does, 2 for a bad argument.")
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="a Hugging Face Hub id, a folder holding config.json, or a config .json file")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", dest="model_id", metavar="HUB_ID", help="a Hugging Face Hub id (config only)")
+    source.add_argument("--config", metavar="PATH", help="a config.json file, or a folder holding one")
+    source.add_argument("--size", choices=list(PLAN_SIZES), help="a built-in shape (Qwen2.5's published ones)")
+    parser.add_argument("--batch", type=_positive_int, default=1, help="sequences per step (default 1)")
+    parser.add_argument("--seq", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
+    train = parser.add_mutually_exclusive_group()
+    train.add_argument("--lora-rank", "--lora", dest="lora_rank", type=_positive_int, default=None, metavar="R",
+                       help="train LoRA adapters of rank R on the seven projections (base frozen)")
+    train.add_argument("--full", action="store_true", help="full fine-tune (the default)")
+    parser.add_argument("--quantize", choices=["auto", "none", "int8", "nf4", "fp8", "nvfp4"], default="auto",
+                        help="frozen block weights (auto: only when nothing else fits; LoRA only)")
+    parser.add_argument("--prefer", choices=["exact", "speed"], default="exact",
+                        help="speed: quantize before streaming any block from host RAM")
+    parser.add_argument("--optimizer", choices=["auto", "host", "gpu"], default="auto",
+                        help="where AdamW's state lives (default: the GPU when it fits)")
+    parser.add_argument("--moment-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--streamed-blocks", type=_non_negative_int, default=None, metavar="N",
+                        help="blocks whose weights stream from host RAM (default: the fewest that fit)")
+    parser.add_argument("--loss-chunk", type=_positive_int, default=None, metavar="TOKENS",
+                        help="tokens per chunk of trainstream's chunked loss (default: full logits, as HF)")
+    parser.add_argument("--vram-gb", type=_positive_float, default=None,
+                        help="GPU memory to plan for, GB (default: this GPU, its per-process fraction applied)")
+    parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_positive_float, default=None,
+                        help="host RAM to plan for, GB (default: this machine's available RAM, cgroup-bounded, "
+                             "split between LOCAL_WORLD_SIZE processes)")
+    parser.add_argument("--measure", action="store_true",
+                        help="price the plan with this machine's measured rates (trainstream.profile_hardware, "
+                             "cached) instead of the defaults")
+    parser.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _plan_shape(args, parser):
+    """The ModelShape named by the arguments, from a config only; a parser error when it cannot be had."""
+    import ts_planner
+
+    given = [x for x in (args.model, args.model_id, args.config, args.size) if x is not None]
+    if len(given) != 1:
+        parser.error("name one model: MODEL, --model HUB_ID, --config PATH or --size "
+                     f"{{{','.join(PLAN_SIZES)}}}" + (" (not several)" if given else ""))
+    if args.size is not None:
+        return ts_planner.ModelShape.from_config({**PLAN_SIZES[args.size], "model_type": "qwen2"}), args.size
+    path = args.config or args.model or args.model_id
+    try:
+        if args.config is not None or os.path.exists(path):
+            return ts_planner.ModelShape.from_config(path), path
+        try:
+            from transformers import AutoConfig
+        except ImportError:
+            parser.error(f"{path} is not a local file or folder, and a Hub id needs transformers: "
+                         "pip install 'trainstream[hf]'")
+        try:
+            config = AutoConfig.from_pretrained(path)  # config.json only: no weights are read
+        except (OSError, ValueError) as error:
+            parser.error(f"cannot load the config of {path!r}: {str(error).splitlines()[0]}")
+        return ts_planner.ModelShape.from_config(config), path
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """`trainstream plan`: prints the plan (or with --json one object); 0 when it fits, 3 when nothing does."""
+    import ts_planner
+
+    parser = _plan_parser()
+    args = parser.parse_args(argv)
+    shape, name = _plan_shape(args, parser)
+    profile = None
+    if args.measure:
+        import trainstream
+
+        profile = trainstream.profile_hardware()
+    try:
+        budget = ts_planner.machine_budget(
+            vram_bytes=None if args.vram_gb is None else int(args.vram_gb * 1e9),
+            host_bytes=None if args.host_gb is None else int(args.host_gb * 1e9), profile=profile)
+    except RuntimeError as error:  # no GPU here and no --vram-gb
+        parser.error(f"{error}; pass --vram-gb")
+    lora = args.lora_rank is not None
+    try:
+        plan = ts_planner.plan_memory(
+            shape, budget, batch=args.batch, seq=args.seq, train="lora" if lora else "full",
+            lora_rank=args.lora_rank or 16, quantize=args.quantize,
+            optimizer=args.optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
+            streamed_blocks="auto" if args.streamed_blocks is None else args.streamed_blocks, prefer=args.prefer)
+    except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
+        parser.error(str(error))
+    rates = "measured rates" if profile is not None else "default rates (--measure for this machine's)"
+    if args.as_json:
+        print(json.dumps({"model": name, **plan.to_dict(), "rates": rates}, indent=1))
+    else:
+        print(f"trainstream plan: {name}; budget: {budget.vram_bytes / 1e9:.1f} GB VRAM, {budget.host_bytes / 1e9:.1f} GB "
+              f"host RAM ({budget.source}); {rates}")
+        print(plan.explain())
+    return 0 if plan.fits else PLAN_EXIT_REFUSED
+
+
 def _progress(step: int, total: int, loss: float, seconds: float) -> None:
     width = 28
     done = int(width * step / total)
@@ -131,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     import trainstream
     from trainstream._demo_text import byte_batches
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     args = _parse(argv)
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size if args.size != "auto" else ("small" if device.type == "cuda" else "tiny")

@@ -142,7 +142,15 @@ def _overflow(e: MemoryEstimate, budget: Budget) -> tuple[tuple[str, str, int], 
     return tuple(out)
 
 
-def _refusal(plan_overflow, e: MemoryEstimate, budget: Budget) -> str:
+# Advice that the options already follow, replaced by what is left to try.
+_ADVICE_TAKEN = {
+    ("host RAM", "optimizer_state"): (lambda o: o.moment_dtype == "bfloat16", "LoRA adapters, or more host RAM"),
+    ("VRAM", "frozen_weights"): (lambda o: o.quantize == "nf4", "streamed blocks (streamed_blocks='auto')"),
+    ("VRAM", "activations_kept"): (lambda o: o.page + o.recompute > 0, "more blocks recomputed or paged"),
+}
+
+
+def _refusal(plan_overflow, e: MemoryEstimate, budget: Budget, options: Options) -> str:
     parts = []
     for name, category, over in plan_overflow:
         need, have = {"VRAM": (e.allocator_bytes, budget.usable_vram), "host RAM": (e.host_bytes, budget.host_bytes),
@@ -150,7 +158,10 @@ def _refusal(plan_overflow, e: MemoryEstimate, budget: Budget) -> str:
         if category == "cuda_context":
             need, have = e.device_bytes, budget.device_bytes or 0
         size = (e.vram if name == "VRAM" else e.host)[category]
-        advice = _ADVICE.get(("host RAM" if name == "page-locked RAM" else name, category), "more memory")
+        key = ("host RAM" if name == "page-locked RAM" else name, category)
+        advice = _ADVICE.get(key, "more memory")
+        if key in _ADVICE_TAKEN and _ADVICE_TAKEN[key][0](options):
+            advice = _ADVICE_TAKEN[key][1]
         parts.append(f"needs {need / GiB:.1f} GiB of {name}, {have / GiB:.1f} available, {over / GiB:.1f} short "
                      f"(the largest part: {category} {size / GiB:.1f} GiB): use {advice}")
     return "; ".join(parts)
@@ -164,7 +175,7 @@ def check_plan(shape: ModelShape, budget: Budget, options: Options, choices: tup
     link = max(e.h2d_bytes, e.d2h_bytes) / (budget.link_gbps * 1e9)
     host = e.host_optimizer_params / budget.host_adamw_params_per_s
     if over:
-        reason = _refusal(over, e, budget)
+        reason = _refusal(over, e, budget, options)
     else:
         reason = (f"{e.allocator_bytes / GiB:.2f} GiB of {budget.usable_vram / GiB:.2f} GiB usable VRAM, "
                   f"{e.host_bytes / GiB:.2f} GiB of {budget.host_bytes / GiB:.2f} GiB host RAM")

@@ -1,0 +1,142 @@
+"""`trainstream plan`: the plan from a config alone (no weights, no network), its JSON, exit codes 0 / 3 / 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from trainstream import cli
+
+# Qwen2.5's published config.json fields (the part the planner reads), bundled so no test needs the Hub.
+QWEN25 = {
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+REQUIRED = {"fits", "quantize", "moment_dtype", "resident_blocks", "streamed_blocks", "activations",
+            "peak_vram_bytes", "host_bytes", "lower_bound_s", "reason"}
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    def make(size: str):
+        folder = tmp_path / f"Qwen2.5-{size}"
+        folder.mkdir(exist_ok=True)
+        fields = {**QWEN25[size], "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                  "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
+        (folder / "config.json").write_text(json.dumps(fields))
+        return folder
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def no_models_no_network(monkeypatch):
+    """The command reads configs only: building any module, or reaching the Hub, fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("trainstream plan built a module")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    code = cli.main(["plan", *argv])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("size", "train", "fits"), [
+    ("1.5b", ["--full"], True), ("7b", ["--full"], True), ("14b", ["--lora", "16"], True),
+    ("32b", ["--lora-rank", "16"], True), ("32b", ["--full"], False)])
+def test_plans_for_the_qwen_shapes(config_dir, capsys, size, train, fits):
+    code, out = _run([str(config_dir(size)), *train, "--vram-gb", "24", "--host-gb", "128", "--json"], capsys)
+    plan = json.loads(out)
+    assert set(plan) >= REQUIRED and {"compute", "link", "host_optimizer", "total"} <= set(plan["lower_bound_s"])
+    assert code == (0 if fits else cli.PLAN_EXIT_REFUSED) and plan["fits"] is fits
+    assert plan["resident_blocks"] + plan["streamed_blocks"] == QWEN25[size]["num_hidden_layers"]
+    assert sum(plan["activations"].values()) == QWEN25[size]["num_hidden_layers"]
+    if fits:
+        assert plan["peak_vram_bytes"] <= plan["budget"]["usable_vram_bytes"] <= 24e9
+        assert plan["host_bytes"] <= 128e9
+    else:
+        assert plan["reason"].startswith("no plan fits") and "host RAM" in plan["reason"]
+
+
+def test_the_sources_agree_and_the_table_is_printed(config_dir, capsys, monkeypatch):
+    folder = config_dir("14b")
+    outputs = []
+    for source in ([str(folder)], ["--config", str(folder / "config.json")], ["--size", "14b"]):
+        code, out = _run([*source, "--lora", "16", "--vram-gb", "24", "--host-gb", "100", "--json"], capsys)
+        outputs.append({k: v for k, v in json.loads(out).items() if k != "model"})
+    assert outputs[0] == outputs[1] == outputs[2]
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(**QWEN25["14b"])
+    seen = []
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name, **kw: seen.append(name) or config)
+    code, out = _run(["Qwen/Qwen2.5-14B", "--lora", "16", "--vram-gb", "24", "--host-gb", "100"], capsys)
+    assert seen == ["Qwen/Qwen2.5-14B"] and code == 0
+    assert out.startswith("trainstream plan: Qwen/Qwen2.5-14B") and "\nfits: " in out
+    for line in ("frozen_weights", "output_and_loss", "lower bound", "blocks resident"):
+        assert line in out
+
+
+def test_a_refusal_exits_3_and_says_why(capsys):
+    code, out = _run(["--size", "32b", "--full", "--vram-gb", "24", "--host-gb", "64"], capsys)
+    assert code == cli.PLAN_EXIT_REFUSED
+    assert "does not fit: no plan fits" in out and "GiB of host RAM" in out and "optimizer_state" in out
+
+
+def test_the_choices_follow_the_options(capsys):
+    common = ["--size", "14b", "--lora", "16", "--vram-gb", "24", "--host-gb", "100", "--json"]
+    exact = json.loads(_run(common, capsys)[1])
+    speed = json.loads(_run([*common, "--prefer", "speed"], capsys)[1])
+    assert exact["quantize"] is None and exact["streamed_blocks"] > 0
+    assert speed["quantize"] in ("int8", "nf4") and speed["streamed_blocks"] == 0
+    fixed = json.loads(_run([*common, "--quantize", "nf4", "--streamed-blocks", "0", "--moment-dtype", "bfloat16"],
+                            capsys)[1])
+    assert (fixed["quantize"], fixed["streamed_blocks"], fixed["moment_dtype"]) == ("nf4", 0, "bfloat16")
+    chunked = json.loads(_run([*common, "--loss-chunk", "1024"], capsys)[1])
+    assert chunked["vram"]["output_and_loss"] < exact["vram"]["output_and_loss"]
+
+
+def test_default_budget_is_this_machine_split_between_local_processes(capsys, monkeypatch):
+    one = json.loads(_run(["--size", "tiny", "--vram-gb", "1", "--json"], capsys)[1])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    two = json.loads(_run(["--size", "tiny", "--vram-gb", "1", "--json"], capsys)[1])
+    assert two["budget"]["host_bytes"] == pytest.approx(one["budget"]["host_bytes"] / 2, rel=0.05)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "name one model"),
+    (["--size", "7b", "--config", "x.json"], "not allowed with argument"),
+    (["--size", "7b", "--full", "--lora", "8"], "not allowed with argument"),
+    (["--size", "7b", "--full", "--quantize", "nf4", "--vram-gb", "24"], "full fine-tuning trains them all"),
+    (["--size", "7b", "--batch", "0", "--vram-gb", "24"], "--batch"),
+    (["--size", "7b", "--vram-gb", "-3"], "--vram-gb"),
+    (["--size", "7b", "--streamed-blocks", "99", "--vram-gb", "24"], "streamed_blocks=99"),
+    (["no/such-model-offline", "--vram-gb", "24"], "cannot load the config of 'no/such-model-offline'"),
+])
+def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["plan", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_config_and_no_gpu_exit_2(tmp_path, capsys, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "model_type": "bert"}))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["plan", str(tmp_path), "--vram-gb", "24"])
+    assert stop.value.code == 2 and "lacks intermediate_size" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["plan", "--size", "7b"])
+    assert stop.value.code == 2 and "pass --vram-gb" in capsys.readouterr().err
