@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Iterable
 
@@ -163,6 +164,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         session.optimizer_step()
         self._attached_seconds = getattr(self, "_attached_seconds", 0.0) + time.perf_counter() - started
         return loss
+
+    def train(self) -> None:
+        """transformers.Trainer calls this (through Accelerate) at each training step: an attached
+        optimizer refuses a Trainer whose clipping or accumulation it would not honour (the
+        Trainer's own clipping sees no gradients: they left the GPU during backward)."""
+        if self._session is not None and "transformers" in sys.modules:
+            from .integrations.huggingface import _refuse_unhonoured_trainer
+            _refuse_unhonoured_trainer(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Attached: gradients already left the GPU; this drops any that wait for a step that never came.
