@@ -1,6 +1,6 @@
 """The measuring side of activation_offload='auto' / recompute='auto' (rules in ``tuner.py``).
 
-Phases: ``probe`` (the first forward with gradients: block 0 is measured, the others are decided
+Phases: ``probe`` (the first forward with gradients: one block is measured, the others are decided
 before they run), ``trial`` (one step per candidate setting, timed with the device synchronized
 at step(); each step's peak corrects the VRAM estimate), ``settled`` (the fastest trial's
 setting, no more synchronizing). The owner, ``ActivationPolicy``, applies each setting between
@@ -129,7 +129,7 @@ class ActivationTuner:
         self.current: Choice | None = None
         self.history: list[str] = []
         self._forward_start = None
-        self._block0_start = None
+        self._probe_start = None
         self._alloc_at_start = 0
         self._trial = 0
         self._marks: dict[int, list] = {}  # block -> [start, end] marks of the current step
@@ -150,21 +150,21 @@ class ActivationTuner:
             self._forward_start = self.meter.now()
 
     def probe_begin(self) -> None:
-        """Block 0's forward starts (probe)."""
+        """The probed block's forward starts."""
         self.meter.reset_peak()
         self.meter.synchronize()
         self._alloc_at_start = self.meter.allocated()
-        self._block0_start = self.meter.now()
+        self._probe_start = self.meter.now()
 
-    def probe_end(self, block0_bytes: int) -> Choice:
-        """Block 0's forward ended: measures and decides the other blocks for this step."""
+    def probe_end(self, probe_bytes: int) -> Choice:
+        """The probed block's forward ended: measures and decides the other blocks for this step."""
         self.meter.synchronize()
-        forward_s = max(self.meter.now() - self._block0_start, 1e-6)
+        forward_s = max(self.meter.now() - self._probe_start, 1e-6)
         budget = self.meter.budget()
         # The probe keeps nothing more: the output layer, the loss and backward's working memory are
         # only known from its peak (at 4 x 2048 with a 152k vocabulary the loss alone took 12 GB).
         room = 1 << 62 if budget is None else 0
-        self.measured = Measured(blocks=self.blocks, block_bytes=int(block0_bytes), forward_s=forward_s,
+        self.measured = Measured(blocks=self.blocks, block_bytes=int(probe_bytes), forward_s=forward_s,
                                  link_bytes_per_s=self.meter.link_bytes_per_s(), room_bytes=room,
                                  host_bytes=self.meter.host_bytes(), reserved_link_bytes=self.reserved_link_bytes())
         # With recompute allowed, the probe recomputes the other blocks: no page pool is page-locked
@@ -173,7 +173,7 @@ class ActivationTuner:
                               paged=0 if self.recompute else None)
         where = ("no VRAM limit (CPU)" if budget is None else
                  "none kept in VRAM until this step's peak shows what the rest of the step needs")
-        self._event(f"probe: one block saves {block0_bytes / GiB:.3f} GiB for backward and runs forward in "
+        self._event(f"probe: one block saves {probe_bytes / GiB:.3f} GiB for backward and runs forward in "
                     f"{forward_s * 1e3:.1f} ms (first call: re-timed in the next steps); {where}; this step: "
                     f"{self.describe(self.current)}")
         self.phase = "measuring"
@@ -216,7 +216,7 @@ class ActivationTuner:
             room = int(budget * (1 - PEAK_MARGIN)) - (peak - kept * m.block_bytes)
             m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room)})
         if self.phase == "measuring":
-            # The probe step is not timed (it synchronized at block 0 and grew the page pool).
+            # The probe step is not timed (it synchronized at the probed block and grew the page pool).
             # Fewest pages first: a paging trial whose copies alone would take longer than the best
             # step measured so far is not run (nor its pool page-locked).
             self.candidates = sorted(trial_candidates(m, page=self.page, recompute=self.recompute),
