@@ -136,13 +136,16 @@ def test_exception_mid_backward_then_a_good_step():
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_a_second_session_grows_the_arena_by_what_it_lacks():
+def test_a_second_session_grows_the_arena_by_what_it_lacks(monkeypatch):
     import ts_pinned
 
+    # Its own arena: the process-wide one may hold free slabs left by earlier tests.
+    arena = ts_pinned.PinnedArena(slab_bytes=1 << 20)
+    monkeypatch.setattr(trainstream._session.ts_pinned, "default_arena", lambda: arena)
     first, _ = trainstream.wrap(tiny_llama(), lr=1e-3)
-    before = ts_pinned.pinned_stats()
+    before = arena.stats()
     second, _ = trainstream.wrap(tiny_llama(seed=1), lr=1e-3)
-    after = ts_pinned.pinned_stats()
+    after = arena.stats()
     # The second session's state came from new slabs, not from blocks page-locked one by one.
     assert after["arena_fallbacks"] == before["arena_fallbacks"]
     assert after["arena_bytes"] > before["arena_bytes"]
