@@ -163,3 +163,31 @@ def test_bad_hyper_parameters_are_refused_at_wrap_and_at_update_time(group, mess
     opt.step()
     model._trainstream_session.synchronize()
     assert all(s.step == 1 for s in model._trainstream_session.engine.active)
+
+
+def test_events_go_to_the_trainstream_logger(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="trainstream"):
+        model, _ = trainstream.wrap(tiny_llama(), lr=1e-3)
+    assert any(r.name == "trainstream" and "plan:" in r.getMessage() for r in caplog.records)
+    trainstream.unwrap(model)
+
+
+def test_verbose_shows_the_events_on_stderr(capfd):
+    import logging
+
+    logger = logging.getLogger("trainstream")
+    level, handlers = logger.level, list(logger.handlers)
+    try:
+        model, _ = trainstream.wrap(tiny_llama(), lr=1e-3, verbose=True)
+        trainstream.unwrap(model)
+        assert "trainstream [" in capfd.readouterr().err
+    finally:
+        import trainstream._events as events
+
+        for h in logger.handlers:
+            if h not in handlers:
+                logger.removeHandler(h)
+        events._verbose_handler = None
+        logger.setLevel(level)

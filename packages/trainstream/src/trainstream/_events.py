@@ -1,12 +1,34 @@
-"""The session's decision log: every automatic choice, with why, readable by memory_report()."""
+"""The session's decision log: every automatic choice, with why, readable by memory_report().
+
+Each event also goes to ``logging.getLogger("trainstream")`` (INFO; failures at WARNING), so
+applications route it as they route everything else. ``verbose=True`` makes sure it is seen: it
+gives that logger a handler writing to stderr when it has none and lowers its level to INFO.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import threading
 import time
 
-__all__ = ["Event", "EventLog"]
+__all__ = ["Event", "EventLog", "logger"]
+
+logger = logging.getLogger("trainstream")
+logger.addHandler(logging.NullHandler())
+_verbose_handler: logging.Handler | None = None
+
+
+def _show_info() -> None:
+    """For verbose sessions: INFO records of the trainstream logger reach stderr."""
+    global _verbose_handler
+    if _verbose_handler is None and not any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+        _verbose_handler = logging.StreamHandler(sys.stderr)
+        _verbose_handler.setFormatter(logging.Formatter("trainstream %(message)s"))
+        logger.addHandler(_verbose_handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,20 +42,21 @@ class Event:
 
 
 class EventLog:
-    """Append-only, thread-safe. ``verbose`` also prints each event as it happens."""
+    """Append-only, thread-safe; each event is also logged (see the module docstring)."""
 
     def __init__(self, verbose: bool = False):
         self._start = time.perf_counter()
         self._events: list[Event] = []
         self._lock = threading.Lock()
         self.verbose = verbose
+        if verbose:
+            _show_info()
 
     def add(self, kind: str, message: str) -> Event:
         event = Event(time.perf_counter() - self._start, kind, message)
         with self._lock:
             self._events.append(event)
-        if self.verbose:
-            print(f"trainstream {event}", flush=True)
+        logger.log(logging.WARNING if kind == "error" else logging.INFO, "%s", event)
         return event
 
     def __iter__(self):

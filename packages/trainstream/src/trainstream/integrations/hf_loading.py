@@ -21,10 +21,10 @@ import json
 import math
 import os
 import re
-import sys
 import warnings
 
 import torch
+from tqdm.auto import tqdm
 from ts_pinned import _core as _pinned_core
 from ts_quant import QuantLinear
 from ts_quant import quantize as quantize_tensor
@@ -306,8 +306,8 @@ def load_model(name_or_path: str, *, quantize: str | None = "auto", dtype: torch
     shape that differs from the model the config builds, a parameter the checkpoint lacks, a bad
     override. Checkpoint tensors the model has no place for are skipped with a warning naming them.
     ``random_weights``: the model's own initialization instead of the checkpoint (benchmarks).
-    ``config_overrides``: config fields, e.g. ``num_hidden_layers=4``. ``progress``: print how many
-    tensors are done to stderr on long loads.
+    ``config_overrides``: config fields, e.g. ``num_hidden_layers=4``. ``progress``: a tqdm bar of the
+    tensors read (shown on a terminal only).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype} is not valid; use torch.bfloat16, torch.float16 or torch.float32")
@@ -351,7 +351,8 @@ def _read_checkpoint(model, folder, weight_map, wanted, targets, fmt, block_size
     by_file: dict[str, list[str]] = {}
     for key in wanted:
         by_file.setdefault(weight_map[key], []).append(key)
-    done = 0
+    # A progress bar on a terminal only (tqdm decides), as Hugging Face's own loaders show.
+    bar = tqdm(total=len(wanted), desc="trainstream.load_model", unit="tensor", disable=None if progress else True)
     for file in sorted(by_file):
         with safe_open(os.path.join(folder, file), framework="pt") as f:
             for key in by_file[file]:
@@ -364,9 +365,8 @@ def _read_checkpoint(model, folder, weight_map, wanted, targets, fmt, block_size
                 else:
                     _set_tensor(model, key, tensor)
                 del tensor
-                done += 1
-                if progress and done % 200 == 0:
-                    print(f"trainstream.load_model: {done} tensors read", file=sys.stderr, flush=True)
+                bar.update(1)
+    bar.close()
 
 
 def _materialize_random(model, targets, fmt, block_size) -> None:
