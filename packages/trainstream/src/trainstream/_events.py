@@ -1,15 +1,14 @@
 """The session's decision log: every automatic choice, with why, readable by memory_report().
 
 Each event also goes to ``logging.getLogger("trainstream")`` (INFO; failures at WARNING), so
-applications route it as they route everything else. ``verbose=True`` makes sure it is seen: it
-gives that logger a handler writing to stderr when it has none and lowers its level to INFO.
+applications route it as they route everything else. ``verbose=True`` also prints it to stdout
+as it happens (the demo's plan lines).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import threading
 import time
 
@@ -17,18 +16,6 @@ __all__ = ["Event", "EventLog", "logger"]
 
 logger = logging.getLogger("trainstream")
 logger.addHandler(logging.NullHandler())
-_verbose_handler: logging.Handler | None = None
-
-
-def _show_info() -> None:
-    """For verbose sessions: INFO records of the trainstream logger reach stderr."""
-    global _verbose_handler
-    if _verbose_handler is None and not any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
-        _verbose_handler = logging.StreamHandler(sys.stderr)
-        _verbose_handler.setFormatter(logging.Formatter("trainstream %(message)s"))
-        logger.addHandler(_verbose_handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +36,14 @@ class EventLog:
         self._events: list[Event] = []
         self._lock = threading.Lock()
         self.verbose = verbose
-        if verbose:
-            _show_info()
 
     def add(self, kind: str, message: str) -> Event:
         event = Event(time.perf_counter() - self._start, kind, message)
         with self._lock:
             self._events.append(event)
         logger.log(logging.WARNING if kind == "error" else logging.INFO, "%s", event)
+        if self.verbose:
+            print(f"trainstream {event}", flush=True)
         return event
 
     def __iter__(self):
