@@ -1,4 +1,4 @@
-"""Hugging Face integration: TrainStreamTrainer, TrainStreamCallback, wrap_hf, decoder_layers and
+"""Hugging Face integration: TrainStreamTrainer, TrainStreamMixin, TrainStreamCallback, wrap_hf, decoder_layers and
 per-sequence log-probs of a causal LM.
 
 Needs ``transformers`` (``pip install 'trainstream[hf]'``). The losses here run the decoder for its
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 try:
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'") from error
 
@@ -25,7 +25,7 @@ from .._options import parse_options
 from .hf_loading import load_model
 from .kvcache import TrainStreamCache  # imports ts-kvcache when first used
 
-__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head",
+__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamMixin", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head",
            "decoder_layers", "load_model", "reference_logprobs", "wrap_hf"]
 
 # Config fields that change logits after the projection: the chunked loss cannot reproduce them.
@@ -219,44 +219,48 @@ def _real_grad_norm(logs: dict | None, optimizer) -> None:
         logs["grad_norm"] = float(norm)
 
 
-class TrainStreamTrainer(Trainer):
-    """``transformers.Trainer`` with the optimizer in host memory (``wrap()``) and a chunked loss.
+class TrainStreamMixin:
+    """Put first in the bases of a ``transformers.Trainer`` subclass (TRL's trainers included):
+    ``class MyDPO(TrainStreamMixin, DPOTrainer)``. Adds ``trainstream={...}`` (any ``wrap()`` option,
+    checked at construction) and trains with the optimizer state in host memory.
 
-    ``trainstream``: any ``wrap()`` option, plus ``"chunked_loss"`` (default True) and
-    ``"loss_chunk_size"`` (default 1024). The Trainer's AdamW (groups, learning rate, schedule) is
-    converted; ``max_grad_norm`` and ``gradient_accumulation_steps`` move into the optimizer, since
-    gradients leave the GPU before the Trainer would clip them (on the Trainer's own copy of the
-    ``TrainingArguments``: the caller's object is never changed). fp16 loss scaling is refused.
+    At ``train()``, the Trainer's AdamW (its groups and schedule), or an ``OffloadAdamW`` given through
+    ``optimizers=``, is attached by ``wrap_hf`` with the config's ``max_grad_norm`` and
+    ``gradient_accumulation_steps``; an optimizer attached beforehand must have been given the same
+    two (else ``ValueError``). The Trainer's clipping is switched off on the trainer's own copy of
+    the config (yours is not changed). ``grad_norm`` in the logs is the norm TrainStream measured
+    before clipping; without clipping no norm is measured and ``grad_norm`` is left out. fp16 loss
+    scaling and optimizers other than Adam/AdamW are refused.
     """
+
+    # Keys of trainstream={...} a subclass pops before this __init__ sees them (named in errors).
+    _ts_extra_options: tuple[str, ...] = ()
 
     def __init__(self, *args, trainstream: dict | None = None, **kwargs):
         options = dict(trainstream or {})
-        self._ts_chunked = options.pop("chunked_loss", True)
-        self._ts_chunk = options.pop("loss_chunk_size", 1024)
-        if not isinstance(self._ts_chunked, bool):
-            raise ValueError(f"chunked_loss={self._ts_chunked!r} is not valid; use True or False")
-        if isinstance(self._ts_chunk, bool) or not isinstance(self._ts_chunk, int) or self._ts_chunk < 1:
-            raise ValueError(f"loss_chunk_size={self._ts_chunk!r} is not valid; use an integer >= 1")
         for name in ("max_grad_norm", "accumulation_steps"):
             if name in options:
-                raise ValueError(f"trainstream={{'{name}': ...}} comes from TrainingArguments here; set it there")
+                raise ValueError(f"trainstream={{'{name}': ...}} comes from the trainer's config (TrainingArguments) "
+                                 f"here; set it there")
         try:
-            parse_options(dict(options))  # every key checked now, not at the first training step
+            parse_options(dict(options))  # every key checked now, not when training starts
         except ValueError as error:
-            raise ValueError(f"trainstream={{...}}: {error}; it also takes 'chunked_loss' and 'loss_chunk_size'") \
-                from None
+            extra = ", ".join(repr(k) for k in self._ts_extra_options)
+            raise ValueError(f"trainstream={{...}}: {error}" + (f"; it also takes {extra}" if extra else "")) from None
         self._ts_options = options
-        # The Trainer's clipping is switched off below on a copy: the caller may reuse its arguments
-        # with a stock Trainer, which must still clip. Shallow: only scalar fields change here.
-        if len(args) > 1 and args[1] is not None:
-            args = (args[0], copy.copy(args[1]), *args[2:])
-        elif kwargs.get("args") is not None:
+        # The trainer's own copy of the config: create_optimizer switches its clipping off there, and
+        # the caller may reuse its object with a stock trainer, which must still clip. Shallow: only
+        # scalar fields change.
+        # Found by type: TRL's GRPOTrainer takes it third, the Trainer second.
+        args = tuple(copy.copy(a) if isinstance(a, TrainingArguments) else a for a in args)
+        if isinstance(kwargs.get("args"), TrainingArguments):
             kwargs["args"] = copy.copy(kwargs["args"])
         super().__init__(*args, **kwargs)
+        name = type(self).__name__
         if self.args.fp16:
-            raise ValueError("TrainStreamTrainer does not support fp16 with loss scaling; use bf16=True or fp32")
+            raise ValueError(f"{name} with TrainStream does not support fp16 with loss scaling; use bf16=True or fp32")
         if "adam" not in str(getattr(self.args.optim, "value", self.args.optim)):
-            raise ValueError(f"TrainStreamTrainer needs an Adam/AdamW optim, not {self.args.optim!r}")
+            raise ValueError(f"{name} with TrainStream needs an Adam/AdamW optim, not {self.args.optim!r}")
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -266,6 +270,28 @@ class TrainStreamTrainer(Trainer):
     def log(self, logs: dict, *args, **kwargs) -> None:
         _real_grad_norm(logs, self.optimizer)
         super().log(logs, *args, **kwargs)
+
+
+class TrainStreamTrainer(TrainStreamMixin, Trainer):
+    """``transformers.Trainer`` with the optimizer in host memory (``TrainStreamMixin``) and a chunked loss.
+
+    ``trainstream``: any ``wrap()`` option, plus ``"chunked_loss"`` (default True) and
+    ``"loss_chunk_size"`` (default 1024: tokens per chunk), so the [tokens, vocab] logits never exist.
+    The Trainer's AdamW (groups, learning rate, schedule) is converted; ``max_grad_norm`` and
+    ``gradient_accumulation_steps`` move into the optimizer (see ``TrainStreamMixin``).
+    """
+
+    _ts_extra_options = ("chunked_loss", "loss_chunk_size")
+
+    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
+        options = dict(trainstream or {})
+        self._ts_chunked = options.pop("chunked_loss", True)
+        self._ts_chunk = options.pop("loss_chunk_size", 1024)
+        if not isinstance(self._ts_chunked, bool):
+            raise ValueError(f"chunked_loss={self._ts_chunked!r} is not valid; use True or False")
+        if isinstance(self._ts_chunk, bool) or not isinstance(self._ts_chunk, int) or self._ts_chunk < 1:
+            raise ValueError(f"loss_chunk_size={self._ts_chunk!r} is not valid; use an integer >= 1")
+        super().__init__(*args, trainstream=options, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         parts = decoder_and_head(model) if self._ts_chunked and model.training else None

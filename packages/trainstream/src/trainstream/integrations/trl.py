@@ -1,18 +1,17 @@
 """TRL integration: SFTTrainer, DPOTrainer and GRPOTrainer trained with TrainStream.
 
 TRL builds the PEFT model inside its trainers' ``__init__``, so an optimizer made beforehand misses
-the adapters. ``TrainStreamMixin`` makes the optimizer when training starts instead (like
-``TrainStreamTrainer``): the Trainer's AdamW, converted by ``wrap_hf``, with the config's
-``max_grad_norm`` and ``gradient_accumulation_steps`` moved into the engine, since gradients leave
-the GPU during backward and the Trainer's own clipping would see none. ``grad_norm`` in the logs is
+the adapters. ``TrainStreamMixin`` (from ``trainstream.integrations.huggingface``, the base of
+``TrainStreamTrainer`` too) makes the optimizer when training starts instead: the Trainer's AdamW,
+converted by ``wrap_hf``, with the config's ``max_grad_norm`` and ``gradient_accumulation_steps``
+moved into the engine, since gradients leave the GPU during backward and the Trainer's own
+clipping would see none. ``grad_norm`` in the logs is
 the norm the engine measured. Ready-made: ``TrainStreamSFTTrainer``, ``TrainStreamDPOTrainer``,
 ``TrainStreamGRPOTrainer``; any other TRL trainer: ``class MyKTO(TrainStreamMixin, KTOTrainer)``.
 Tested with trl 1.16 and transformers 5.24. Needs ``pip install trl``.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 
@@ -21,56 +20,12 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without trl
     raise ImportError("trainstream.integrations.trl needs TRL: pip install trl") from error
 
-from .._options import parse_options
-from .huggingface import _real_grad_norm, _trainer_optimizer, reference_logprobs
+from .huggingface import TrainStreamMixin, reference_logprobs
 
 __all__ = ["TrainStreamDPOTrainer", "TrainStreamGRPOTrainer", "TrainStreamMixin", "TrainStreamSFTTrainer"]
 
 # Keys TRL's preference collator adds beside the model inputs.
 _DPO_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
-
-
-class TrainStreamMixin:
-    """Put first in the bases of a ``transformers.Trainer`` subclass (TRL's trainers):
-    ``class MyDPO(TrainStreamMixin, DPOTrainer)``. Adds ``trainstream={...}`` (any ``wrap()`` option,
-    checked at construction) and trains with the optimizer state in host memory.
-
-    At ``train()``, the Trainer's AdamW (its groups and schedule), or an ``OffloadAdamW`` given through
-    ``optimizers=``, is attached by ``wrap_hf`` with the config's ``max_grad_norm`` and
-    ``gradient_accumulation_steps``; an optimizer attached beforehand must have been given the same
-    two (else ``ValueError``). The Trainer's clipping is switched off on the trainer's own copy of
-    the config (yours is not changed). ``grad_norm`` in the logs is the norm TrainStream measured
-    before clipping; without clipping no norm is measured and ``grad_norm`` is left out.
-    """
-
-    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
-        options = dict(trainstream or {})
-        for name in ("max_grad_norm", "accumulation_steps"):
-            if name in options:
-                raise ValueError(f"trainstream={{'{name}': ...}} comes from the trainer's config here; set it there")
-        try:
-            parse_options(dict(options))  # every key checked now, not when training starts
-        except ValueError as error:
-            raise ValueError(f"trainstream={{...}}: {error}") from None
-        self._ts_options = options
-        super().__init__(*args, **kwargs)
-        # The trainer's own copy: create_optimizer switches its clipping off there, and the caller
-        # may reuse the config with a stock trainer, which must still clip.
-        self.args = copy.copy(self.args)
-        name = type(self).__name__
-        if self.args.fp16:
-            raise ValueError(f"{name} with TrainStream does not support fp16 with loss scaling; use bf16=True or fp32")
-        if "adam" not in str(getattr(self.args.optim, "value", self.args.optim)):
-            raise ValueError(f"{name} with TrainStream needs an Adam/AdamW optim, not {self.args.optim!r}")
-
-    def create_optimizer(self, model=None):
-        if self.optimizer is None:
-            super().create_optimizer(model)  # torch's AdamW with the Trainer's groups; wrap() converts it
-        return _trainer_optimizer(self, self._ts_options)
-
-    def log(self, logs: dict, *args, **kwargs) -> None:
-        _real_grad_norm(logs, self.optimizer)
-        super().log(logs, *args, **kwargs)
 
 
 class TrainStreamSFTTrainer(TrainStreamMixin, trl.SFTTrainer):
@@ -82,6 +37,8 @@ class TrainStreamGRPOTrainer(TrainStreamMixin, trl.GRPOTrainer):
     wrapped model. ``trainstream={"kv_cache": True}`` (or a dict of ``TrainStreamCache`` options such as
     ``resident_layers`` and ``page_tokens``) generates with the paged KV cache, its pages in host
     memory, released after each generation; transformers' generation only (not vLLM)."""
+
+    _ts_extra_options = ("kv_cache",)
 
     def __init__(self, *args, trainstream: dict | None = None, **kwargs):
         options = dict(trainstream or {})
