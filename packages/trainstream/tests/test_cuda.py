@@ -397,8 +397,8 @@ def test_streamed_frozen_weights_are_bit_exact_and_stay_off_the_gpu(options):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            ours, opt = trainstream.wrap(model, lr=1e-3, offload=True, recompute=False, activation_offload=False,
-                                         **{**options, **extra})
+            chosen = {"recompute": False, "activation_offload": False, **options, **extra}
+            ours, opt = trainstream.wrap(model, lr=1e-3, offload=True, **chosen)
             after_wrap = torch.cuda.memory_allocated() - base
             runs[name] = (_train(ours, opt, data), [p.detach().clone().cpu() for p in ours.parameters()], after_wrap)
             trainstream.unwrap(ours)
