@@ -8,16 +8,19 @@ from ts_pinned import reserve_pinned
 from ._hardware import HardwareProfile, profile_hardware
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
+from ._plot import plot_memory
 from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
 from .engine import transfer_stats
 from .memory import ActivationOffloader, find_blocks, quantize_model
+from .memory.plan import PlanRefused
 
 __all__ = [
     "ActivationOffloader",
     "HardwareProfile",
     "OffloadAdamW",
+    "PlanRefused",
     "TrainStreamSession",
     "causal_lm_loss",
     "chunked_cross_entropy",
@@ -25,6 +28,7 @@ __all__ = [
     "find_blocks",
     "memory_report",
     "pinned_stats",
+    "plot_memory",
     "profile_hardware",
     "quantize_model",
     "reserve_pinned",

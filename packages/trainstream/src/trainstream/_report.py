@@ -27,7 +27,10 @@ def _gpu(device: torch.device | None) -> dict:
 
 def memory_report(model: torch.nn.Module | None = None) -> dict:
     """For a wrapped model: ``events``, ``gpu``, ``pinned``, ``pinned_by_tag``, ``transfers``,
-    ``optimizer``, ``resident``, ``params``, ``activations`` and ``attention``; without one: ``gpu``, ``pinned`` and ``pinned_by_tag``."""
+    ``optimizer``, ``resident``, ``params``, ``activations``, ``attention``, ``plan`` (the plan made at
+    wrap(): choices, predicted peak VRAM, host bytes, the lower bound and its terms) and ``stalls`` (the
+    recent steps: seconds waited on the link, on the host optimizer, and on nothing); without one:
+    ``gpu``, ``pinned`` and ``pinned_by_tag``."""
     pinned = pinned_stats()
     by_tag = pinned.pop("by_tag")
     session = getattr(model, "_trainstream_session", None) if model is not None else None
@@ -67,4 +70,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                                  "load_bytes": stats["h2d_bytes"] / steps, "streaming": stats})
     if session.attention is not None:
         report["attention"] = session.attention.report()
+    report["plan"] = getattr(session, "plan", None)  # the plan made at wrap() (memory/plan.py: WrapPlan.to_dict)
+    clock = getattr(session, "stalls", None)
+    report["stalls"] = clock.recent() if clock is not None else []
     return report

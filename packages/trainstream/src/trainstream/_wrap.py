@@ -11,10 +11,11 @@ from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._options import parse_options
 from ._session import TrainStreamSession
+from ._stalls import attach_stall_clock
 from .engine import SlotState
 from .memory.activations import blocks_of
 from .memory.blocks import find_blocks
-from .memory.plan import vram_budget
+from .memory.plan import PlanRefused, WrapPlan, describe_model, plan_wrap, vram_budget, wrap_budget
 from .memory.quantize import choose_quantize, quantize_model
 from .memory.weights import WeightStreamer
 
@@ -71,10 +72,11 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     streamer = _weight_streamer(model, device, opts)
+    plan = _plan(model, device, opts, streamer)  # before anything is allocated; PlanRefused when nothing fits
     if streamer is not None and opts.quantize == "auto":
         fmt, why = None, "auto: param_offload streams the weights as they are stored, so none are quantized"
     else:
-        fmt, why = _quantize_decision(model, device, opts)
+        fmt, why = _quantize_decision(model, device, opts, plan)
     if streamer is not None and fmt:
         raise ValueError(f"param_offload streams weights as they are stored (bf16 / fp32); streaming {fmt} codes is "
                          f"not built yet: pass quantize=None with param_offload, or drop param_offload")
@@ -89,6 +91,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         elif any(p.device != device for p in model.parameters()) or quantized:
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
         session = TrainStreamSession(model, converted, opts, device, weights=streamer)
+        session.plan = plan.to_dict()
+        session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
+        attach_stall_clock(session)
         if why:
             session.events.add("quantize", why)
         if quantized:
@@ -141,12 +146,41 @@ def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -
                 module._buffers[name] = b.to(device)
 
 
-def _quantize_decision(model: torch.nn.Module, device: torch.device, opts) -> tuple[str | None, str | None]:
-    """(format or None, why) for wrap()'s quantize option; "auto" measures the weights against the VRAM."""
+def _plan(model: torch.nn.Module, device: torch.device, opts, streamer) -> WrapPlan:
+    """ts-planner's plan for the live model and these options; PlanRefused (check_memory=True) when
+    even one token per step does not fit."""
+    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    facts = describe_model(model, blocks)
+    auto = opts.quantize == "auto"
+    quantize = ("auto" if device.type == "cuda" and streamer is None else None) if auto else opts.quantize
+    streamed = len(streamer.streamed) if streamer is not None else 0
+    plan = plan_wrap(facts, wrap_budget(device, opts, facts), quantize=quantize, moment_dtype=opts.moment_dtype,
+                     activations=_activations(opts, len(blocks)), streamed_blocks=streamed)
+    if not plan.fits and opts.check_memory:
+        raise PlanRefused(plan.message)
+    return plan
+
+
+def _activations(opts, count: int):
+    """The planner's activations for wrap()'s activation_offload= / recompute= ("auto" while either is)."""
+    if "auto" in (opts.activation_offload, opts.recompute) or count == 0:
+        return "auto"
+    page = set(blocks_of("activation_offload", opts.activation_offload, count))
+    recompute = set(blocks_of("recompute", opts.recompute, count)) - page
+    return (count - len(page) - len(recompute), len(page), len(recompute))
+
+
+def _quantize_decision(model: torch.nn.Module, device: torch.device, opts,
+                       plan: WrapPlan | None = None) -> tuple[str | None, str | None]:
+    """(format or None, why) for wrap()'s quantize option; "auto" takes the plan's choice, or without a
+    decoder shape measures the weights against the VRAM."""
     if opts.quantize != "auto":
         return opts.quantize, None
     if device.type != "cuda":
         return None, "auto: training on the CPU, no VRAM to fit; weights stay as they are"
+    if plan is not None and plan.plan is not None:
+        return plan.quantize, ("auto: " + ("none needed" if plan.quantize is None else
+                                           f"{plan.quantize}: the least quantization the plan fits"))
     fmt, why = choose_quantize(model, vram_budget(device, opts.vram_headroom))
     return fmt, f"auto: {why}"
 

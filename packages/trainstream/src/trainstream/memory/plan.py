@@ -1,5 +1,6 @@
 """Sizing decisions: host RAM needed per placement, moment precision, the VRAM room
-measured after the first step and which parameters it can hold."""
+measured after the first step and which parameters it can hold; and the plan wrap() makes
+before anything is allocated (ts-planner's memory model applied to the live model)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import ts_planner
 
 from ..engine.slots import ParamSlot
 
-__all__ = ["HostPlan", "device_state_bytes", "host_state_bytes", "plan_host_memory", "vram_budget"]
+__all__ = ["PLAN_BATCH", "PLAN_SEQ", "HostPlan", "ModelFacts", "PlanRefused", "WrapPlan", "describe_model",
+           "device_state_bytes", "host_state_bytes", "plan_host_memory", "plan_wrap", "vram_budget", "wrap_budget"]
 
 GiB = float(1 << 30)
 
@@ -83,3 +85,255 @@ def vram_budget(device: torch.device, headroom: float) -> int:
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(device) if get_fraction is not None else 1.0
     return int(total * fraction * (1.0 - headroom))
+
+
+# ---- the plan wrap() makes before anything is allocated ----------------------------------------------
+
+# wrap() does not see the batch: its plan prices one sequence of PLAN_SEQ tokens (as `trainstream plan`
+# does by default) and refuses only what cannot fit even at one token per step (the state alone).
+PLAN_BATCH, PLAN_SEQ = 1, 2048
+_NO_VRAM = 1 << 62  # the budget's VRAM on the CPU: nothing to check
+_QUANT_ORDER = (None, "int8", "nf4")
+
+
+class PlanRefused(MemoryError, ValueError):
+    """wrap() refused before allocating anything: the run cannot fit with what its options allow.
+    A MemoryError (as check_memory= promises) and a ValueError (the options are what must change)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs from a live model: its decoder shape (None when it has no usable config, or
+    the config does not describe its parameters: ``mismatch`` says why), what trains, and its bytes."""
+
+    shape: ts_planner.ModelShape | None
+    train: str  # "full" or "lora"
+    lora_rank: int
+    lora_targets: tuple[str, ...]
+    dtype: str
+    adapter_dtype: str
+    quantized: str | None  # the format of block weights quantized before wrap()
+    blocks: int
+    trained_values: int
+    trained_bytes: int
+    weight_bytes: int  # every parameter and buffer, as stored
+    cpu_bytes: int  # the part in host memory now
+    mismatch: str | None = None
+
+
+_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def describe_model(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> ModelFacts:
+    """The facts of `model` (reads sizes and dtypes only)."""
+    from ts_quant import QuantLinear
+
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    tensors = params + list(model.buffers())
+    quantized = [m.qweight for b in blocks for m in b.modules() if isinstance(m, QuantLinear)]
+    weight = sum(map(_nbytes, tensors)) + sum(q.nbytes for q in quantized)
+    cpu = sum(_nbytes(t) for t in tensors if t.device.type == "cpu") + sum(
+        q.nbytes for q in quantized if q.device.type == "cpu")
+    lora = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict) and len(m.lora_A)]
+    frozen_blocks = any(not p.requires_grad for b in blocks for p in b.parameters()) or bool(quantized)
+    dtypes = [_DTYPE.get(p.dtype) for p in params if not p.requires_grad] or [_DTYPE.get(p.dtype) for p in params]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    rank, targets, adapter = 16, ts_planner.LORA_TARGETS, "float32"
+    train = "lora" if lora else "full"
+    if lora:
+        first = next(iter(lora[0][1].lora_A.values())).weight
+        rank, adapter = int(first.shape[0]), _DTYPE.get(first.dtype, "float32")
+        targets = tuple(sorted({name for name, _ in lora}, key=lambda n: (n not in ts_planner.LORA_TARGETS, n)))
+    fmt = str(quantized[0].format) if quantized else None
+    facts = dict(train=train, lora_rank=rank, lora_targets=targets, dtype=dtype or "float32",
+                 adapter_dtype=adapter, quantized=fmt, blocks=len(blocks),
+                 trained_values=sum(p.numel() for p in trained), trained_bytes=sum(map(_nbytes, trained)),
+                 weight_bytes=weight, cpu_bytes=cpu)
+    try:
+        shape = ts_planner.ModelShape.from_model(model)
+    except ValueError as error:
+        return ModelFacts(None, **facts, mismatch=str(error).split(";")[0])
+    problem = None
+    if None in (dtype, adapter) or dtype == "float16":
+        problem = "its weights are not bf16 / fp32"
+    elif shape.num_hidden_layers != len(blocks):
+        problem = f"its config has {shape.num_hidden_layers} layers, find_blocks() found {len(blocks)} blocks"
+    elif (train == "full") == frozen_blocks or set(targets) - set(ts_planner.LORA_TARGETS) or (quantized and not fmt):
+        problem = "what trains is neither every parameter nor LoRA adapters on the block projections"
+    else:
+        options = ts_planner.Options(train=train, lora_rank=rank, lora_targets=targets, adapter_dtype=adapter,
+                                     dtype=dtype, seq=1)
+        expected = ts_planner.estimate_memory(shape, options).trained_params
+        if abs(expected - facts["trained_values"]) > 0.02 * max(expected, 1):
+            problem = (f"it trains {facts['trained_values']:,} values where its config's shape trains "
+                       f"{expected:,}")
+    if problem:
+        return ModelFacts(None, **facts, mismatch=f"the config does not describe the model: {problem}")
+    return ModelFacts(shape, **facts)
+
+
+def wrap_budget(device: torch.device, opts, facts: ModelFacts) -> ts_planner.Budget:
+    """This process's budget for the wrap() plan: VRAM from the device (its per-process fraction applied,
+    less ``vram_headroom``); host RAM available now (cgroup-aware, split between LOCAL_WORLD_SIZE
+    processes) plus what the model itself holds there and will leave or keep as its host copies.
+    On the CPU no device memory is checked."""
+    on_cuda = device.type == "cuda"
+    budget = ts_planner.machine_budget(device if on_cuda else None, vram_bytes=None if on_cuda else _NO_VRAM,
+                                       headroom=opts.vram_headroom)
+    if on_cuda and facts.cpu_bytes:
+        host = budget.host_bytes + facts.cpu_bytes
+        budget = dataclasses.replace(budget, host_bytes=host, pinned_bytes=int(host * 0.8))
+    return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapPlan:
+    """The wrap() plan. ``plan``: ts-planner's plan at PLAN_BATCH x PLAN_SEQ tokens (``plan.fits`` False:
+    those tokens do not fit; the activation policy then finds what does); ``state``: at one token, what
+    must fit for the run to start at all (``fits``); ``quantize``: the format wrap() applies (None when the
+    weights stay, or were quantized before wrap()); ``message``: why."""
+
+    fits: bool
+    quantize: str | None
+    message: str
+    plan: ts_planner.Plan | None = None
+    state: ts_planner.Plan | None = None
+    generic: dict | None = None  # the check of a model without a decoder shape
+
+    def to_dict(self) -> dict:
+        out = {"fits": self.fits, "quantize": self.quantize, "message": self.message}
+        if self.plan is not None:
+            out["quantize"] = self.plan.options.quantize
+            e = self.state.estimate
+            out.update(tokens={"batch": self.plan.options.batch, "seq": self.plan.options.seq,
+                               "fits": self.plan.fits},
+                       **{k: v for k, v in self.plan.to_dict().items() if k not in ("fits", "quantize")},
+                       state={"fits": self.state.fits, "peak_vram_bytes": self.state.peak_vram_bytes,
+                              "host_bytes": self.state.host_bytes, "pinned_bytes": e.pinned_bytes,
+                              "reason": self.state.reason})
+        if self.generic is not None:
+            out.update(self.generic)
+        return out
+
+
+def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", moment_dtype="auto",
+              activations="auto", streamed_blocks: int = 0) -> WrapPlan:
+    """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits PLAN_SEQ
+    tokens (NF4 when none does), so more VRAM never quantizes more; the run is refused (``fits`` False)
+    when even one token per step does not fit. Other arguments as ``ts_planner.plan_memory``'s."""
+    if facts.shape is None:
+        return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks)
+    shape = facts.shape
+    args = dict(train=facts.train, lora_rank=facts.lora_rank, lora_targets=facts.lora_targets,
+                adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer="host", moment_dtype=moment_dtype,
+                activations=activations, streamed_blocks=streamed_blocks)
+    if facts.quantized:
+        quantize = facts.quantized
+    elif quantize == "auto" and facts.train == "full":
+        quantize = None
+    plan = ts_planner.plan_memory(shape, budget, batch=PLAN_BATCH, seq=PLAN_SEQ, quantize=quantize, **args)
+    chosen = plan.options.quantize if plan.fits or quantize != "auto" else _QUANT_ORDER[-1]
+    if not plan.fits and quantize == "auto":
+        plan = ts_planner.plan_memory(shape, budget, batch=PLAN_BATCH, seq=PLAN_SEQ, quantize=chosen, **args)
+    state = ts_planner.plan_memory(shape, budget, batch=1, seq=1, quantize=chosen, **args)
+    o = plan.options
+    keep, page, recompute = o.activation_counts(shape.num_hidden_layers)
+    what = (f"{_count(shape.total_params)} parameters, {_count(facts.trained_values)} trained "
+            f"({'full fine-tune' if facts.train == 'full' else f'LoRA r={facts.lora_rank}'})")
+    apply = None if facts.quantized else chosen  # quantized before wrap(): nothing more to quantize
+    if not state.fits:
+        return WrapPlan(False, apply, _refusal(what, state, facts, budget, quantize, moment_dtype,
+                                                streamed_blocks, args), plan, state)
+    if plan.fits:
+        room = ("on the CPU, no VRAM limit" if budget.vram_bytes >= _NO_VRAM else
+                f"of {budget.usable_vram / GiB:.2f} GiB usable VRAM")
+        verdict = (f"at {PLAN_BATCH} x {PLAN_SEQ} tokens: peak {plan.peak_vram_bytes / GiB:.2f} GiB {room}, "
+                   f"{plan.host_bytes / GiB:.2f} GiB of "
+                   f"{budget.host_bytes / GiB:.2f} GiB host RAM")
+    else:
+        verdict = (f"{PLAN_BATCH} x {PLAN_SEQ} tokens do not fit ({plan.reason}); the state alone does "
+                   f"({state.peak_vram_bytes / GiB:.2f} GiB VRAM, {state.host_bytes / GiB:.2f} GiB host RAM): "
+                   f"fewer tokens per step will")
+    message = (f"{what}: {verdict}; quantize={chosen or 'none'}, moments {o.moment_dtype}, "
+               f"{o.streamed_blocks} of {shape.num_hidden_layers} blocks streamed, activations {keep} kept / "
+               f"{page} paged / {recompute} recomputed; lower bound {plan.lower_bound_s * 1e3:.1f} ms/step "
+               f"(compute {plan.compute_s * 1e3:.1f}, link {plan.link_s * 1e3:.1f}, host AdamW "
+               f"{plan.host_optimizer_s * 1e3:.1f} ms at default rates)")
+    return WrapPlan(True, apply, message, plan, state)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+_NAMES = {"VRAM": "VRAM", "host RAM": "host RAM", "page-locked RAM": "page-lockable host RAM"}
+
+
+def _refusal(what: str, state, facts: ModelFacts, budget, quantize, moment_dtype, streamed: int, args) -> str:
+    e = state.estimate
+    parts = []
+    for name, category, over in state.overflow:
+        need, have = {"VRAM": (e.allocator_bytes, budget.usable_vram), "host RAM": (e.host_bytes, budget.host_bytes),
+                      "page-locked RAM": (e.pinned_bytes, budget.pinned_bytes)}[name]
+        if category == "cuda_context":
+            need, have = e.device_bytes, budget.device_bytes or 0
+        size = (e.vram if name == "VRAM" else e.host)[category]
+        parts.append(f"needs {need / GiB:.1f} GiB of {_NAMES[name]}, {have / GiB:.1f} available "
+                     f"({over / GiB:.1f} short; the largest part: {category.replace('_', ' ')} {size / GiB:.1f} GiB)")
+    fixes = []
+    layers = facts.shape.num_hidden_layers
+    candidates = []
+    if moment_dtype != "bfloat16":
+        candidates.append(("moment_dtype='bf16'", dict(moment_dtype="bfloat16")))
+    if facts.train == "lora" and not facts.quantized and state.options.quantize != "nf4":
+        candidates.append(("quantize='nf4'", dict(quantize="nf4")))
+    if facts.train == "lora" and streamed < layers and not state.options.quantize:
+        candidates.append(("param_offload=True", dict(streamed_blocks=layers)))
+    for text, change in candidates:
+        trial = {**args, "quantize": state.options.quantize, **change}
+        if ts_planner.plan_memory(facts.shape, budget, batch=1, seq=1, **trial).fits:
+            fixes.append(text)
+    if facts.train == "full":
+        lora = {**args, "train": "lora", "lora_rank": 16, "lora_targets": ts_planner.LORA_TARGETS,
+                "adapter_dtype": "float32", "quantize": "auto", "streamed_blocks": 0}
+        if ts_planner.plan_memory(facts.shape, budget, batch=1, seq=1, **lora).fits:
+            fixes.append("LoRA adapters (peft) instead of training every parameter")
+    advice = (f"use {' or '.join(fixes)}" if fixes else
+              "nothing the options allow fits: a smaller model, a GPU with more memory or more host RAM")
+    return (f"trainstream.wrap() refused before allocating anything: the model ({what}) does not fit even at "
+            f"one token per step: {'; '.join(parts)}: {advice} (check_memory=False tries anyway)")
+
+
+def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: int) -> WrapPlan:
+    """A model without a decoder shape: only its state is checked, weights in VRAM (no activation estimate)
+    and AdamW's state in host RAM (fp32 master, moments, gradient and upload buffers)."""
+    moment = 2 if moment_dtype == "bfloat16" else 4
+    host = facts.trained_values * (4 + 2 * moment) + 2 * facts.trained_bytes + (2 << 30)
+    vram = facts.weight_bytes if streamed == 0 else None  # streamed blocks: not estimated without a shape
+    if moment_dtype == "auto" and host > budget.host_bytes:
+        host -= facts.trained_values * 4  # "auto" falls back to bf16 moments
+        moment = 2
+    numbers = {"model": "generic (no decoder shape: state only)", "peak_vram_bytes": vram, "host_bytes": host,
+               "budget": {"usable_vram_bytes": budget.usable_vram, "host_bytes": budget.host_bytes},
+               "moment_dtype": "float32" if moment == 4 else "bfloat16"}
+    short = []
+    if vram is not None and quantize in (None, "auto") and vram > budget.usable_vram:
+        short.append(f"needs {vram / GiB:.1f} GiB of VRAM for its weights, {budget.usable_vram / GiB:.1f} available: "
+                     f"use quantize='nf4' (frozen block weights) or param_offload=True")
+    if host > budget.host_bytes:
+        short.append(f"needs {host / GiB:.1f} GiB of host RAM for the optimizer state, "
+                     f"{budget.host_bytes / GiB:.1f} available: use "
+                     + ("LoRA adapters or more host RAM" if moment == 2 else "moment_dtype='bf16'"))
+    if short:
+        return WrapPlan(False, None if quantize == "auto" else quantize,
+                        "trainstream.wrap() refused before allocating anything: " + "; ".join(short)
+                        + " (check_memory=False tries anyway)", generic=numbers)
+    return WrapPlan(True, None if quantize == "auto" else quantize,
+                    f"{facts.mismatch or 'no decoder shape'}: only the state is checked (weights "
+                    f"{facts.weight_bytes / GiB:.2f} GiB, host state {host / GiB:.2f} GiB)", generic=numbers)

@@ -1,0 +1,192 @@
+"""Stall attribution: per optimizer step, how long the training loop waited on the host<->GPU link,
+on the host optimizer, and on nothing (the rest of the step: compute, data, the user's code).
+
+``StallClock`` keeps the recent steps. Waits are recorded where they happen: ``host_wait(cause)``
+around a wait that blocks the Python thread; ``device_wait(cause)`` around a wait enqueued on the
+compute stream (timed with a pair of CUDA events, read at a later step end, so nothing synchronizes).
+``stalls_from_timings`` turns one step's timings into the reported numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+
+import torch
+
+__all__ = ["CAUSES", "StallClock", "attach_stall_clock", "stalls_from_timings"]
+
+CAUSES = ("link", "host_optimizer")
+
+
+def stalls_from_timings(step_s: float, waits: dict[str, float]) -> dict[str, float]:
+    """One step's attribution (seconds): ``link_s`` and ``host_optimizer_s`` as waited (each at most the
+    step, together at most the step: overlapping waits are scaled down to fit) and ``none_s`` the rest."""
+    if not step_s >= 0:
+        raise ValueError(f"step_s={step_s!r} must be a number of seconds >= 0")
+    unknown = set(waits) - set(CAUSES)
+    if unknown:
+        raise ValueError(f"unknown wait cause(s) {sorted(unknown)}; use {', '.join(CAUSES)}")
+    parts = {c: max(0.0, float(waits.get(c, 0.0))) for c in CAUSES}
+    total = sum(parts.values())
+    scale = step_s / total if total > step_s else 1.0
+    out = {f"{c}_s": parts[c] * scale for c in CAUSES}
+    out["none_s"] = max(0.0, step_s - sum(out.values()))
+    out["step_s"] = step_s
+    return out
+
+
+def _host_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StallClock:
+    """Per-step waits of one wrapped model (thread-safe; waits on other threads than the training
+    loop's are not stalls of the step and are ignored). ``recent()``: the last ``keep`` steps."""
+
+    def __init__(self, device: torch.device, keep: int = 32, busy=lambda: 0.0):
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._busy = busy  # cumulative host AdamW seconds (the worker's counter)
+        self._busy_at = busy()
+        self._waits = dict.fromkeys(CAUSES, 0.0)
+        self._pending: list[tuple[int, str, object, object]] = []  # (step, cause, start event, end event)
+        self._steps: collections.deque = collections.deque(maxlen=keep)
+        self._started = time.perf_counter()
+        self.step = 0
+
+    def add(self, cause: str, seconds: float) -> None:
+        if cause not in self._waits:
+            raise ValueError(f"unknown wait cause {cause!r}; use {', '.join(CAUSES)}")
+        with self._lock:
+            self._waits[cause] += seconds
+
+    @contextlib.contextmanager
+    def host_wait(self, cause: str):
+        """Times a wait that blocks the training loop's thread."""
+        if threading.get_ident() != self._thread:
+            yield
+            return
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(cause, time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def device_wait(self, cause: str):
+        """Times a wait enqueued on the compute stream (on the CPU the wait blocks: timed on the host)."""
+        if not self._cuda:
+            with self.host_wait(cause):
+                yield
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        try:
+            yield
+        finally:
+            end.record(stream)
+            with self._lock:
+                self._pending.append((self.step, cause, start, end))
+
+    def _resolve(self) -> None:
+        """Device waits whose events completed go to the step they belong to."""
+        keep = []
+        by_step = {s["step"]: s for s in self._steps}
+        for step, cause, start, end in self._pending:
+            if not end.query():
+                keep.append((step, cause, start, end))
+                continue
+            target = by_step.get(step)
+            if target is not None:
+                target["waits"][cause] += start.elapsed_time(end) / 1e3
+        self._pending = keep
+
+    def step_finished(self) -> None:
+        """Closes the current step (called after each optimizer step)."""
+        now = time.perf_counter()
+        busy = self._busy()
+        gpu = ({"allocated": torch.cuda.memory_allocated(self.device),
+                "peak_allocated": torch.cuda.max_memory_allocated(self.device)} if self._cuda else None)
+        with self._lock:
+            record = {"step": self.step + 1, "step_s": now - self._started, "waits": dict(self._waits),
+                      "host_adamw_busy_s": busy - self._busy_at, "gpu": gpu, "host_rss": _host_rss()}
+            self._waits = dict.fromkeys(CAUSES, 0.0)
+            self._started, self._busy_at = now, busy
+            self._steps.append(record)
+            self.step += 1
+            self._resolve()
+
+    def recent(self) -> list[dict]:
+        """The recent steps, oldest first: ``step``, ``step_s``, ``link_s``, ``host_optimizer_s``,
+        ``none_s`` (seconds), ``host_adamw_busy_s`` (host AdamW compute, overlapping or not),
+        ``gpu`` (allocated / peak bytes at the step's end, None on the CPU), ``host_rss`` (bytes)."""
+        with self._lock:
+            self._resolve()
+            steps = [dict(s, waits=dict(s["waits"])) for s in self._steps]
+        out = []
+        for s in steps:
+            waits = s.pop("waits")
+            out.append({**s, **stalls_from_timings(s["step_s"], waits)})
+        return out
+
+
+class _TimedChannel:
+    """A session's view of the shared copy channel whose waits count as link stalls of that session."""
+
+    def __init__(self, channel, clock: StallClock):
+        self._channel, self._clock = channel, clock
+
+    def host_wait(self, token) -> None:
+        with self._clock.host_wait("link"):
+            self._channel.host_wait(token)
+
+    def compute_wait(self, token) -> None:
+        with self._clock.device_wait("link"):
+            self._channel.compute_wait(token)
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+
+def _timed(fn, clock: StallClock, cause: str):
+    def timed(*args, **kwargs):
+        with clock.host_wait(cause):
+            return fn(*args, **kwargs)
+
+    return timed
+
+
+def attach_stall_clock(session) -> StallClock:
+    """Installs a StallClock on `session` (``session.stalls``): the training loop's waits on the host
+    updates (the engine's HostUpdater) count as host-optimizer stalls, its waits on copies (the channel
+    of the engine, the weight streamer and the activation pager) as link stalls, and each optimizer
+    step closes a step. Interim wiring by per-session attributes until the engine records its waits."""
+    engine = session.engine
+    clock = StallClock(session.device, busy=lambda: engine.host.busy_seconds)
+    host = engine.host
+    for name in ("wait_applied", "wait_slot", "drain"):
+        setattr(host, name, _timed(getattr(host, name), clock, "host_optimizer"))
+    owners = [engine, session.weights, getattr(session.activations, "offloader", None)]
+    for owner in owners:
+        if owner is not None and getattr(owner, "channel", None) is not None:
+            owner.channel = _TimedChannel(owner.channel, clock)
+    step = session.optimizer_step
+
+    def optimizer_step() -> None:
+        step()
+        clock.step_finished()
+
+    session.optimizer_step = optimizer_step
+    session.stalls = clock
+    return clock

@@ -1,0 +1,226 @@
+"""The plan wrap() makes before allocating anything (issue 12): refusal with the numbers and what would
+fit, nothing changed after a refusal, memory_report()["plan"], and the planner's invariants as wrap()
+applies them (hypothesis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import trainstream
+import ts_planner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from trainstream import _wrap
+from trainstream.memory.plan import PLAN_SEQ, ModelFacts, PlanRefused, describe_model, plan_wrap
+from ts_testing import batches, loss_of, tiny_llama
+
+GiB = 1 << 30
+SHAPES = {  # Qwen2.5's published shapes
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, model_type="qwen2"),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, model_type="qwen2"),
+}
+
+
+def facts(size: str, train: str = "full") -> ModelFacts:
+    """What describe_model() would say of a bf16 Qwen2.5 of `size` (no weights built)."""
+    shape = ts_planner.ModelShape.from_config(SHAPES[size])
+    e = ts_planner.estimate_memory(shape, ts_planner.Options(train=train, seq=1))
+    return ModelFacts(shape, train, 16, ts_planner.LORA_TARGETS, "bfloat16", "float32", None,
+                      shape.num_hidden_layers, e.trained_params, e.trained_params * (2 if train == "full" else 4),
+                      shape.total_params * 2, 0)
+
+
+def budget(vram_gib: float, host_gib: float, pin: float = 0.8) -> ts_planner.Budget:
+    host = int(host_gib * GiB)
+    return ts_planner.Budget(vram_bytes=int(vram_gib * GiB), host_bytes=host, pinned_bytes=int(host * pin),
+                             headroom=0.10)
+
+
+def patch_budget(monkeypatch, **fields):
+    """wrap()'s budget with `fields` replaced (the machine's otherwise)."""
+    real = _wrap.wrap_budget
+
+    def fake(device, opts, f):
+        return dataclasses.replace(real(device, opts, f), **fields)
+
+    monkeypatch.setattr(_wrap, "wrap_budget", fake)
+
+
+# ---- refusal ---------------------------------------------------------------------------------------
+
+def test_full_7b_in_too_little_host_ram_is_refused_with_the_numbers_and_what_fits():
+    f, b = facts("7b"), budget(80, 64)
+    plan = plan_wrap(f, b)
+    assert not plan.fits
+    state = ts_planner.estimate_memory(f.shape, ts_planner.Options(seq=1, moment_dtype="bfloat16"))
+    need = f"{state.host_bytes / GiB:.1f}"
+    short = f"{(state.host_bytes - b.host_bytes) / GiB:.1f}"
+    assert f"needs {need} GiB of host RAM, 64.0 available ({short} short" in plan.message
+    assert "optimizer state" in plan.message
+    # bf16 moments were tried ("auto"): only LoRA is left, and LoRA does fit in 64 GiB.
+    assert "use LoRA adapters" in plan.message and "moment_dtype" not in plan.message.split("use ")[-1]
+
+
+def test_fp32_moments_asked_for_are_refused_with_bf16_moments_as_the_fix():
+    f = facts("7b")
+    fp32 = ts_planner.estimate_memory(f.shape, ts_planner.Options(seq=1)).host_bytes
+    bf16 = ts_planner.estimate_memory(f.shape, ts_planner.Options(seq=1, moment_dtype="bfloat16")).host_bytes
+    b = budget(80, (fp32 + bf16) / 2 / GiB, pin=1.0)
+    plan = plan_wrap(f, b, moment_dtype="float32")
+    assert not plan.fits and "use moment_dtype='bf16'" in plan.message
+    assert f"needs {fp32 / GiB:.1f} GiB of host RAM, {b.host_bytes / GiB:.1f} available" in plan.message
+    assert plan_wrap(f, b).fits  # "auto" finds bf16 itself
+
+
+def test_lora_14b_bf16_without_quantization_in_24_gb_is_refused_naming_nf4_and_streaming():
+    f, b = facts("14b", "lora"), budget(24e9 / GiB, 200)
+    plan = plan_wrap(f, b, quantize=None)
+    assert not plan.fits
+    m = re.search(r"needs ([\d.]+) GiB of VRAM, ([\d.]+) available \(([\d.]+) short; the largest part: frozen "
+                  r"weights ([\d.]+) GiB\)", plan.message)
+    assert m, plan.message
+    state = ts_planner.estimate_memory(f.shape, ts_planner.Options(train="lora", seq=1, recompute=48))
+    assert float(m[1]) == pytest.approx(state.allocator_bytes / GiB, abs=0.06)
+    assert float(m[2]) == pytest.approx(b.usable_vram / GiB, abs=0.06)
+    assert "quantize='nf4'" in plan.message and "param_offload=True" in plan.message
+    auto = plan_wrap(f, b, quantize="auto")
+    assert auto.fits and auto.quantize in ("int8", "nf4")
+
+
+def _snapshot(model, optimizer):
+    tensors = {n: (t, t.data_ptr(), t.clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+    return tensors, hooks, {k: dict(v) for k, v in optimizer.state.items()}, type(model).__dict__.copy()
+
+
+def test_wrap_refuses_host_ram_on_the_cpu_and_changes_nothing(monkeypatch):
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_of(model, batches(1)[0]).backward()
+    optimizer.step()  # existing state: a refused wrap must not migrate or clear it
+    optimizer.zero_grad()
+    before = _snapshot(model, optimizer)
+    e = ts_planner.estimate_memory(ts_planner.ModelShape.from_model(model),
+                                   ts_planner.Options(seq=1, dtype="float32", moment_dtype="float32"))
+    patch_budget(monkeypatch, host_bytes=e.host_bytes - 1000)
+    with pytest.raises(PlanRefused) as error:
+        trainstream.wrap(model, optimizer, moment_dtype="float32")
+    assert isinstance(error.value, ValueError) and isinstance(error.value, MemoryError)
+    text = str(error.value)
+    assert "refused before allocating anything" in text and "of host RAM" in text
+    assert "use moment_dtype='bf16'" in text and "check_memory=False" in text
+    after = _snapshot(model, optimizer)
+    assert getattr(model, "_trainstream_session", None) is None
+    assert after[1] == before[1] and after[2].keys() == before[2].keys()
+    for name, (tensor, ptr, value) in before[0].items():
+        now = after[0][name]
+        assert now[0] is tensor and now[1] == ptr and torch.equal(now[2], value), name
+    # check_memory=False tries anyway, and says so in the plan event
+    wrapped, _ = trainstream.wrap(model, optimizer, moment_dtype="float32", check_memory=False)
+    report = trainstream.memory_report(wrapped)
+    assert report["plan"]["fits"] is False
+    assert any("check_memory=False, so it tries" in line for line in report["events"])
+    trainstream.unwrap(wrapped)
+
+
+def test_wrap_refuses_vram_with_a_monkeypatched_budget(monkeypatch):
+    model = tiny_llama()
+    patch_budget(monkeypatch, vram_bytes=64 << 10)
+    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of VRAM, [\d.]+ available .*the largest part"):
+        trainstream.wrap(model)
+    assert getattr(model, "_trainstream_session", None) is None
+
+
+# ---- the plan in memory_report ---------------------------------------------------------------------
+
+def test_memory_report_has_the_plan_and_the_stalls_of_recent_steps():
+    model = tiny_llama()
+    model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters()))
+    for ids in batches(3):
+        loss_of(model, ids).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = trainstream.memory_report(model)
+    plan = report["plan"]
+    for key in ("fits", "quantize", "moment_dtype", "resident_blocks", "streamed_blocks", "activations",
+                "peak_vram_bytes", "host_bytes", "lower_bound_s", "choices", "state", "tokens", "message"):
+        assert key in plan, key
+    assert plan["fits"] and plan["tokens"] == {"batch": 1, "seq": PLAN_SEQ, "fits": True}
+    assert set(plan["lower_bound_s"]) == {"total", "compute", "link", "host_optimizer"}
+    assert plan["lower_bound_s"]["total"] == max(plan["lower_bound_s"][k] for k in ("compute", "link", "host_optimizer"))
+    assert plan["resident_blocks"] == 2 and plan["streamed_blocks"] == 0 and plan["train"] == "full"
+    assert plan["moment_dtype"] == "float32" and plan["quantize"] is None
+    assert plan["peak_vram_bytes"] == sum(v for k, v in plan["vram"].items() if k != "cuda_context")
+    assert any(line.split(": ", 1)[-1] == plan["message"] for line in report["events"])
+    stalls = report["stalls"]
+    assert [s["step"] for s in stalls] == [1, 2, 3]
+    for s in stalls:
+        assert s["link_s"] + s["host_optimizer_s"] + s["none_s"] == pytest.approx(s["step_s"])
+        assert min(s["link_s"], s["host_optimizer_s"], s["none_s"]) >= 0
+
+
+def test_describe_model_reads_lora_and_plain_models():
+    peft = pytest.importorskip("peft")
+    base = tiny_llama()
+    full = describe_model(base, trainstream.find_blocks(base))
+    assert full.shape is not None and full.train == "full" and full.trained_values == 86464
+    lora = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    f = describe_model(lora, trainstream.find_blocks(lora))
+    assert f.shape is not None, f.mismatch
+    assert (f.train, f.lora_rank, f.lora_targets) == ("lora", 4, ("q_proj", "v_proj"))
+    plain = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    g = describe_model(plain, trainstream.find_blocks(plain))
+    assert g.shape is None and g.mismatch
+    model, _ = trainstream.wrap(plain)  # a model without a decoder shape: the state is checked alone
+    assert trainstream.memory_report(model)["plan"]["model"].startswith("generic")
+
+
+# ---- invariants (hypothesis) -------------------------------------------------------------------------
+
+_LEVEL = {None: 0, "int8": 1, "nf4": 2}
+_CASES = [("14b", "lora", "auto"), ("7b", "full", None), ("7b", "lora", "auto")]
+_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _keep(plan) -> int:
+    return plan.plan.options.activation_counts(plan.plan.shape.num_hidden_layers)[0]
+
+
+@_SETTINGS
+@given(case=st.sampled_from(_CASES), vram=st.floats(4, 80), more=st.floats(0.5, 60), host=st.floats(8, 400))
+def test_more_vram_never_quantizes_recomputes_or_refuses_more(case, vram, more, host):
+    size, train, quantize = case
+    f = facts(size, train)
+    small, large = (plan_wrap(f, budget(v, host), quantize=quantize) for v in (vram, vram + more))
+    assert _LEVEL[large.plan.options.quantize] <= _LEVEL[small.plan.options.quantize]
+    assert large.plan.options.streamed_blocks <= small.plan.options.streamed_blocks
+    if small.plan.fits:
+        assert large.plan.fits and _keep(large) >= _keep(small)
+    assert large.fits or not small.fits
+
+
+@_SETTINGS
+@given(case=st.sampled_from(_CASES), vram=st.floats(4, 80), host=st.floats(4, 300), more=st.floats(0.5, 200))
+def test_more_host_ram_never_refuses_what_less_accepted(case, vram, host, more):
+    size, train, quantize = case
+    f = facts(size, train)
+    small, large = (plan_wrap(f, budget(vram, h), quantize=quantize) for h in (host, host + more))
+    assert large.fits or not small.fits
+
+
+@_SETTINGS
+@given(case=st.sampled_from(_CASES), vram=st.floats(4, 80), host=st.floats(4, 300))
+def test_a_plan_that_fits_peaks_under_the_usable_vram(case, vram, host):
+    size, train, quantize = case
+    b = budget(vram, host)
+    plan = plan_wrap(facts(size, train), b, quantize=quantize)
+    if plan.fits:
+        assert plan.state.peak_vram_bytes <= b.usable_vram and plan.state.host_bytes <= b.host_bytes
+    if plan.plan.fits:
+        assert plan.plan.peak_vram_bytes <= b.usable_vram and plan.plan.host_bytes <= b.host_bytes
+        assert plan.fits
