@@ -196,6 +196,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             if slot.weight_changed():
                 slot.follow_weight()  # a weight edited since the last update is what training continues from
             state[slot.index] = slot.export()
+        if session.engine.step_hook is not None:
+            state = session.engine.step_hook.gather_state(state)  # data parallel: collective, the full state
         groups = []
         index = 0
         for group in self.param_groups:
@@ -214,6 +216,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._steps().load(self, state_dict, _validated)
             return
         groups, entries = _validated(self, state_dict, {s.index: s for s in session.engine.slots})
+        shared = session.engine.step_hook  # data parallel: every rank loads the same full state, keeps its own
+        loaded = [slot for slot, _ in entries]
+        if shared is not None:
+            entries = [(slot, entry) for slot, entry in entries if slot.owned]
         session.synchronize()
         for slot in [slot for slot, _ in entries if slot.state is SlotState.DORMANT]:
             session.engine.activate(slot)  # state for a parameter frozen at wrap(): it trains from it
@@ -226,6 +232,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for slot, (step, exp_avg, exp_avg_sq, master) in entries:
                 slot.load(step, exp_avg, exp_avg_sq, master)
         session.synchronize()
+        if shared is not None:
+            shared.share_weights(sorted(loaded, key=lambda s: s.index))  # the owners rewrote them from masters
 
 
 def _check_engine_settings(settings: dict) -> None:

@@ -8,6 +8,11 @@ cost about 200 us of host time each). With
 ``max_grad_norm``, gradients are collected first and every update waits for the global norm at
 step(). Every change of a slot goes through ``ParamSlot.move`` inside ``interrupts.critical()``;
 waits happen outside, so Ctrl-C is prompt and never leaves a transition half-done.
+
+Data parallel (``step_hook``, from ``trainstream.distributed``): no slot has a hook; at step() the
+hook first averages every gradient into its owner's ``param.grad``, the owned slots update as above
+(the norm summed over the ranks), then the hook shares the new weights. Slots owned by other ranks
+stay DORMANT: no buffers.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ __all__ = ["UpdateEngine", "UpdateFailed"]
 S = SlotState
 
 
+def _data_parallel(slots, device, events, enabled, settings):
+    from ..distributed import setup  # imported here: trainstream.distributed imports engine.slots
+
+    return setup(slots, device, events, enabled=enabled, settings=settings)
+
+
 class UpdateFailed(RuntimeError):
     """A host AdamW update failed; the parameters it names were left as they were."""
 
@@ -38,7 +49,7 @@ class UpdateEngine:
 
     def __init__(self, slots: list[ParamSlot], device: torch.device, moment_dtype: torch.dtype,
                  arena: ts_pinned.PinnedArena, events, *, max_grad_norm: float | None, accumulation_steps: int,
-                 seed: int, guard_params: bool, placement: str):
+                 seed: int, guard_params: bool, placement: str, distributed=None):
         self.slots = slots
         self.by_param = {id(s.param): s for s in slots}
         self.device = device
@@ -50,6 +61,11 @@ class UpdateEngine:
         self.seed = seed
         self.guard_params = guard_params
         self.placement = placement  # where a newly trained parameter's state goes
+        # Data parallel: a DataParallel built by the caller, or None / True / False for setup() to decide
+        # (collective: every rank constructs its engine). Before the worker starts, so a refusal leaks nothing.
+        self.step_hook = distributed if hasattr(distributed, "before_step") else _data_parallel(
+            slots, device, events, distributed, {"max_grad_norm": max_grad_norm, "moment_dtype": moment_dtype,
+                                                 "accumulation_steps": accumulation_steps})
         self.channel = channel_for(device)
         self.marks = UploadMarks()
         self.host = HostUpdater(self.channel, self.marks, events)
@@ -66,7 +82,10 @@ class UpdateEngine:
     # ---- parameters start training ------------------------------------------------
 
     def activate(self, slot: ParamSlot, placement: str | None = None) -> None:
-        """DORMANT -> IDLE: buffers from the current weight, and the gradient hook."""
+        """DORMANT -> IDLE: buffers from the current weight, and the gradient hook. A slot another rank
+        owns (data parallel) stays DORMANT."""
+        if not slot.owned:
+            return
         slot.allocate(placement or self.placement, self.moment_dtype, self.arena)
         with interrupts.critical():
             self._hook_for(slot)
@@ -76,16 +95,16 @@ class UpdateEngine:
             self._dormant.remove(slot)
 
     def _hook_for(self, slot: ParamSlot) -> None:
-        """A gradient hook exactly when the slot's updates start during backward (not device)."""
-        if slot.placement == "device" and slot.hook is not None:
+        """A gradient hook exactly when the slot's updates start during backward (not device, not data parallel)."""
+        if (slot.placement == "device" or self.step_hook is not None) and slot.hook is not None:
             slot.hook.remove()
             slot.hook = None
-        elif slot.placement != "device" and slot.hook is None:
+        elif slot.placement != "device" and self.step_hook is None and slot.hook is None:
             slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook)
 
     def activate_unfrozen(self) -> None:
         """Parameters frozen at wrap() that have since been unfrozen start training (as torch's would)."""
-        for slot in [s for s in self._dormant if s.param.requires_grad]:
+        for slot in [s for s in self._dormant if s.param.requires_grad and s.owned]:
             self.activate(slot)
             self.events.add("optimizer", f"{slot.label} is trainable now: its optimizer state was created")
 
@@ -154,9 +173,11 @@ class UpdateEngine:
         (guard_params) orders every later read of a weight after its update."""
         self.raise_errors()
         self.activate_unfrozen()
+        if self.step_hook is not None:
+            self.step_hook.before_step(self)
         resident = []
         for slot in self.slots:
-            if slot.hook is None and slot.state is S.IDLE:
+            if slot.hook is None and slot.state is S.IDLE and slot.placement != "host":
                 if slot.param.grad is not None:
                     resident.append(slot)
             elif slot.state in (S.IDLE, S.ACCUMULATING) and slot.param.grad is not None:
@@ -170,6 +191,8 @@ class UpdateEngine:
             self._take_resident(resident)
         if self.max_grad_norm is not None:
             self._clip_and_update()
+        if self.step_hook is not None:
+            self.step_hook.after_updates(self)
         if self.guard_params:
             self.guard_reads()
 
@@ -206,7 +229,7 @@ class UpdateEngine:
 
     def _clip_and_update(self) -> None:
         arrived = [s for s in self.slots if s.state is S.ARRIVED]
-        if not arrived:
+        if not arrived and self.step_hook is None:  # with data parallel, every rank takes part in the norm
             self._clip_scale = None
             return
         if self._clip_scale is None:
@@ -219,6 +242,8 @@ class UpdateEngine:
             device = [s.param.grad.detach() for s in arrived if s.placement != "host"]
             if device:
                 total += float(torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in device]).sum())
+            if self.step_hook is not None:
+                total = self.step_hook.global_sum_of_squares(total)
             norm = math.sqrt(total)
             self.last_grad_norm = norm
             # Same coefficient as torch.nn.utils.clip_grad_norm_.

@@ -2,8 +2,9 @@
 
 States (``SlotState``) and who moves a slot between them:
 
-  DORMANT       in the optimizer but frozen at wrap(): no buffers, no hook. -> IDLE when it is
-                first seen trainable (engine, main thread).
+  DORMANT       in the optimizer but frozen at wrap(), or (data parallel) owned by another rank
+                (``owned`` False): no buffers, no hook. -> IDLE when it is first seen trainable
+                and owned (engine, main thread).
   IDLE          buffers allocated, no gradient held by the engine. -> ACCUMULATING (a backward
                 pass of several), -> ARRIVED (clipping), -> QUEUED (host update), or straight back
                 to IDLE after a device update is launched (engine, main thread).
@@ -120,6 +121,7 @@ class ParamSlot:
     weight_version: int = -1  # the weight as the engine last saw it (user edits change these)
     weight_ptr: int = 0
     hook: object = None
+    owned: bool = True  # data parallel: this rank keeps the state and runs the update (set once, at wrap())
 
     @property
     def numel(self) -> int:

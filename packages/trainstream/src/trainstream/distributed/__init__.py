@@ -1,0 +1,81 @@
+"""Data parallel on torch.distributed: each rank owns a share of the trained parameters.
+
+``sharding`` decides who owns what (pure, the same on every rank); ``checks`` makes sure every rank
+wraps the same model; ``collectives`` runs the bounded collectives; ``data_parallel`` is the update
+engine's step hook that reduces gradients to their owners, lets only the owners keep fp32 master
+weights and moments and run AdamW, and broadcasts the new weights. ``setup`` is what the engine
+calls at wrap(); ``report`` is memory_report()'s ``"distributed"`` entry. docs/distributed.md
+describes the semantics, the timeouts and what is not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .checks import ModelMismatch, check_same_model, describe_slots
+from .collectives import Comm, DistributedError
+from .data_parallel import DataParallel
+from .sharding import Bucket, assign_owners, make_buckets
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "Bucket", "Comm", "DataParallel", "DistributedError",
+           "ModelMismatch", "active_world", "assign_owners", "check_same_model", "describe_slots", "make_buckets",
+           "report", "setup"]
+
+DEFAULT_TIMEOUT_S = 600.0  # each collective's wait; a rank that died or stalled raises after this
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket
+
+
+def active_world(group=None) -> int:
+    """The number of ranks of an initialized process group (1 without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def setup(slots: list, device: torch.device, events, *, enabled: bool | None = None, settings: dict | None = None,
+          group=None, timeout: float | None = None, bucket_bytes: int | None = None) -> DataParallel | None:
+    """Data parallel for the engine's `slots`, or None when off. ``enabled``: None turns it on when an
+    initialized process group has more than one rank, True requires a process group, False is off.
+    Collective: checks that every rank has the same model (``settings`` included), assigns each
+    parameter an owner (``slot.owned``), and gives every rank rank 0's trained weights."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"distributed={enabled!r} is not valid; use None (on when a process group of more than "
+                         f"one rank exists), True or False")
+    if enabled is False:
+        return None
+    initialized = dist.is_available() and dist.is_initialized()
+    if enabled is None and (not initialized or dist.get_world_size(group) < 2):
+        return None
+    if not initialized:
+        raise ValueError("distributed=True needs an initialized process group: call "
+                         "torch.distributed.init_process_group() first (torchrun sets the environment it reads)")
+    comm = Comm(group, device, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    check_same_model(comm, slots, settings)
+    trained = [s for s in slots if s.param.requires_grad]
+    frozen = [s for s in slots if not s.param.requires_grad]
+    owners = [0] * len(slots)
+    sizes = [s.numel * s.param.element_size() for s in trained]
+    for s, owner in zip(trained, assign_owners(sizes, comm.world)):
+        owners[s.index] = owner
+    loads = [0] * comm.world
+    for s in trained:
+        loads[owners[s.index]] += s.numel * s.param.element_size()
+    # Frozen parameters get owners too, in case they are unfrozen later.
+    for s, owner in zip(frozen, assign_owners([s.numel * s.param.element_size() for s in frozen], comm.world, loads)):
+        owners[s.index] = owner
+    dp = DataParallel(comm, slots, owners, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+    dp.share_weights(trained, source=0)
+    mine = [s for s in trained if s.owned]
+    share = sum(s.numel for s in mine) / max(1, sum(s.numel for s in trained))
+    events.add("distributed", f"data parallel over {comm.world} ranks ({comm.backend}): rank {comm.rank} owns "
+                              f"{len(mine)} of {len(trained)} trained parameters ({share:.0%} of the values) and "
+                              f"keeps their master weights and moments; the trained weights start as rank 0's; "
+                              f"gradients are averaged into their owner at step() and the new weights broadcast")
+    return dp
+
+
+def report(engine) -> dict | None:
+    """memory_report(model)["distributed"]: None without data parallel, else DataParallel.report()."""
+    dp = getattr(engine, "step_hook", None)
+    return dp.report() if isinstance(dp, DataParallel) else None

@@ -1,0 +1,99 @@
+"""The collectives of one data-parallel step, each with a bounded wait and a clear error.
+
+Gradients are summed into their owner's flat bucket (``reduce``; with whole-tensor ownership the
+shards are unequal, so this is reduce-scatter done bucket by bucket), then averaged; the owners'
+new weights go to every rank by ``broadcast`` per bucket; the global gradient norm is one
+``all_reduce`` of a float64 sum of squares. Every call is issued in the same order on every rank
+(buckets come from ``sharding.make_buckets``) and waited for with a timeout: a rank that died or
+never arrives raises ``DistributedError`` on the others instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "DistributedError"]
+
+
+class DistributedError(RuntimeError):
+    """A collective of data parallel failed or timed out (another rank died, diverged or stalled)."""
+
+
+class Comm:
+    """One process group, the device its collectives run on, and the timeout of every wait (seconds)."""
+
+    def __init__(self, group=None, device: torch.device | None = None, timeout: float = 300.0):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        # NCCL moves device tensors only; gloo (and anything else) gets host tensors.
+        self.device = device if (self.backend == "nccl" and device is not None) else torch.device("cpu")
+        self.timeout = float(timeout)
+        self.calls = 0
+        self.bytes = 0  # bytes this rank sent into collectives (its buffers' sizes)
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def wait(self, work, what: str) -> None:
+        """Waits for `work` at most ``timeout`` seconds; DistributedError naming `what` otherwise."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as error:  # gloo / NCCL report timeouts and lost peers as RuntimeError
+            raise DistributedError(
+                f"data parallel: rank {self.rank} of {self.world}: {what} did not complete ({error}). Another "
+                f"rank has probably failed, stopped, or is not running the same steps (every rank must call "
+                f"wrap(), backward, step(), state_dict() and load_state_dict() alike); timeout "
+                f"{self.timeout:g} s") from error
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.calls += 1
+        self.bytes += t.numel() * t.element_size()
+
+    # ---- the step's collectives --------------------------------------------------------------
+
+    def reduce_async(self, t: torch.Tensor, owner: int):
+        """Starts summing `t` of every rank into owner's `t` (other ranks' `t` is left undefined)."""
+        self._count(t)
+        return dist.reduce(t, dst=self.global_rank(owner), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def broadcast_async(self, t: torch.Tensor, owner: int):
+        """Starts copying owner's `t` into every rank's `t`."""
+        self._count(t)
+        return dist.broadcast(t, src=self.global_rank(owner), group=self.group, async_op=True)
+
+    def all_reduce(self, t: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        self._count(t)
+        self.wait(dist.all_reduce(t, op=op, group=self.group, async_op=True), what)
+        return t
+
+    def sum_over_ranks(self, value: float, what: str) -> float:
+        """The sum of a float over every rank, in float64."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        return float(self.all_reduce(t, what).item())
+
+    def all_gather_bytes(self, data: bytes, what: str) -> list[bytes]:
+        """Every rank's `data`, in rank order (two collectives: the lengths, then the padded bytes)."""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world)]
+        self._count(size)
+        self.wait(dist.all_gather(sizes, size, group=self.group, async_op=True), what)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        mine = mine.to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        self._count(mine)
+        self.wait(dist.all_gather(out, mine, group=self.group, async_op=True), what)
+        return [bytes(t.cpu()[:int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes)]
+
+    def all_gather_objects(self, obj, what: str) -> list:
+        """Every rank's `obj` (torch.save-able: tensors, numbers, dicts), in rank order."""
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return [torch.load(io.BytesIO(b), weights_only=True) for b in self.all_gather_bytes(buffer.getvalue(), what)]

@@ -1,0 +1,183 @@
+"""Helpers for the data-parallel tests: a small model, the global batches, a runner that spawns gloo
+ranks with bounded time, and the scenarios each rank runs (results saved as one .pt file per rank)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GLOBAL = 12  # samples per micro-batch of the global batch: divisible by 1, 2 and 3 ranks
+STEPS = 5
+SAVE_AT = 3
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.LayerNorm(16),
+                               torch.nn.Linear(16, 4))
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # eps=1e-4: with the default 1e-8, an element whose gradient is near zero at the first step moves by
+    # +-lr depending on float noise, so stock AdamW fed the same global gradient summed in another order
+    # (2 half batches) already differs by 1.3e-5 after 5 steps with accumulation; at 1e-4 by < 4e-7.
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def global_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(GLOBAL, 8, generator=g), torch.randn(GLOBAL, 4, generator=g)
+
+
+def local_batch(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step, micro)
+    n = GLOBAL // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def train_steps(model, optimizer, steps, rank: int, world: int, accumulation: int = 1, start: int = 0,
+                clip: float | None = None, on_step=None) -> None:
+    """`steps` optimizer steps on this rank's share of the global batches. `clip`: torch's clipping
+    (for a stock optimizer); a wrapped one clips itself."""
+    for step in range(start, steps):
+        for micro in range(accumulation):
+            x, y = local_batch(step, micro, rank, world)
+            loss = torch.nn.functional.mse_loss(model(x), y) / accumulation
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if on_step is not None:
+            on_step(step + 1)
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- scenarios (run on every rank) ------------------------------------------------------------
+
+def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None):
+    import trainstream
+
+    model = make_model(seed=rank)  # rank 0's weights reach every rank at wrap()
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), max_grad_norm=clip,
+                                        accumulation_steps=accumulation, threads=1)
+    start = 0
+    if resume is not None:
+        saved = torch.load(resume, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = SAVE_AT
+
+    def on_step(done):
+        if save and done == SAVE_AT:
+            state = {"model": weights(model), "optimizer": optimizer.state_dict()}  # collective
+            if rank == 0:
+                torch.save(state, out / "checkpoint-2ranks.pt")
+
+    train_steps(model, optimizer, STEPS, rank, world, accumulation, start, on_step=on_step)
+    report = trainstream.memory_report(model)
+    result = {"weights": weights(model), "optimizer": report["optimizer"],
+              "distributed": trainstream.distributed.report(model._trainstream_session.engine),
+              "owned": [s.index for s in model._trainstream_session.engine.active],
+              "events": report["events"]}
+    trainstream.unwrap(model)
+    return result
+
+
+def _mismatch(rank, world, out, *, what):
+    import trainstream
+
+    model = make_model()
+    options = {"threads": 1}
+    if rank == world - 1:
+        if what == "shape":
+            model[4] = torch.nn.Linear(16, 5)
+        else:
+            options["max_grad_norm"] = 1.0
+    try:
+        model, _ = trainstream.wrap(model, make_optimizer(model), **options)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    trainstream.unwrap(model)
+    return {"error": None}
+
+
+def _rank_dies(rank, world, out):
+    import trainstream
+
+    model = make_model()
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    if rank == world - 1:
+        return {"exit": True}
+    started = time.monotonic()
+    try:
+        train_steps(model, optimizer, 1, rank, world)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+SCENARIOS = {
+    "plain": lambda r, w, o: _train(r, w, o, save=w == 2),
+    "clip": lambda r, w, o: _train(r, w, o, clip=0.05),
+    "accumulate": lambda r, w, o: _train(r, w, o, accumulation=2),
+    "accumulate_clip": lambda r, w, o: _train(r, w, o, clip=0.05, accumulation=2),
+    "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
+    "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),
+    "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
+    "rank_dies": _rank_dies,  # last: it ends the process group
+}
+
+
+def _worker(rank: int, world: int, port: int, out: str, scenarios: list[str], timeout: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import trainstream.distributed as tsd
+
+    tsd.DEFAULT_TIMEOUT_S = timeout
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    out = pathlib.Path(out)
+    results = {}
+    for name in scenarios:
+        try:
+            results[name] = SCENARIOS[name](rank, world, out)
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+        if results[name].get("exit"):
+            break
+    torch.save(results, out / f"results-{world}-rank{rank}.pt")
+    os._exit(0)  # no process-group teardown: after rank_dies it could wait on the dead rank
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, scenarios: list[str], out: pathlib.Path, limit: float = 120.0,
+              timeout: float = 10.0) -> list[dict]:
+    """Runs `scenarios` on `world` spawned gloo ranks; each rank's results (killed after `limit` s)."""
+    ctx = mp.start_processes(_worker, args=(world, free_port(), str(out), scenarios, timeout), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + limit
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish {scenarios} within {limit} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(out / f"results-{world}-rank{r}.pt", weights_only=False) for r in range(world)]

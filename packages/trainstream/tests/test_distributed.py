@@ -1,0 +1,142 @@
+"""Data parallel on the CPU with gloo: 2 and 3 spawned ranks train exactly like one process on the
+global batch (plain, clipping, accumulation with clipping), each keeps its share of the optimizer
+state, checkpoints move between world sizes, and mismatched models or a dead rank give errors on
+every rank instead of a hang. Each world size is one spawn running every scenario (distributed_testing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import trainstream
+import trainstream.distributed as tsd
+from distributed_testing import SAVE_AT, STEPS, make_model, make_optimizer, run_ranks, train_steps, weights
+
+TOL = 1e-6
+TRAINING = ["plain", "clip", "accumulate", "accumulate_clip"]
+OPTIONS = {"plain": {}, "clip": {"clip": 0.05}, "accumulate": {"accumulation": 2},
+           "accumulate_clip": {"clip": 0.05, "accumulation": 2}}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def two(out):
+    return run_ranks(2, [*TRAINING, "mismatch_shape", "mismatch_settings"], out)
+
+
+@pytest.fixture(scope="module")
+def three(out, two):  # `two` wrote the checkpoint that "resume" loads
+    return run_ranks(3, [*TRAINING, "resume", "rank_dies"], out)
+
+
+def _reference(clip=None, accumulation=1) -> dict:
+    """Stock torch AdamW (and torch's clipping) in one process on the whole global batch."""
+    model = make_model()
+    train_steps(model, make_optimizer(model), STEPS, 0, 1, accumulation, clip=clip)
+    return weights(model)
+
+
+def _result(runs, scenario, rank):
+    result = runs[rank][scenario]
+    assert "failed" not in result, result.get("failed")
+    return result
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("scenario", TRAINING)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_like_one_process_on_the_global_batch(two, three, world, scenario):
+    runs = two if world == 2 else three
+    reference = _reference(**OPTIONS[scenario])
+    first = _result(runs, scenario, 0)["weights"]
+    untrained = weights(make_model())
+    assert _max_diff(first, untrained) > 1e-3  # it trained
+    assert _max_diff(first, reference) <= TOL
+    for rank in range(1, world):
+        assert _max_diff(_result(runs, scenario, rank)["weights"], first) == 0.0  # the ranks agree exactly
+
+
+def _single_process_state_bytes() -> tuple[int, list[int]]:
+    model = make_model()
+    model, _ = trainstream.wrap(model, make_optimizer(model), threads=1)
+    try:
+        report = trainstream.memory_report(model)["optimizer"]["placements"]["host"]
+        per_param = [s.state_bytes() for s in model._trainstream_session.engine.active]
+    finally:
+        trainstream.unwrap(model)
+    return report["state_bytes"], per_param
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_keeps_only_its_share_of_the_host_state(two, three, world):
+    runs = two if world == 2 else three
+    total, per_param = _single_process_state_bytes()
+    owned = [_result(runs, "plain", r)["owned"] for r in range(world)]
+    assert sorted(i for o in owned for i in o) == list(range(len(per_param)))  # each parameter on one rank
+    state = [_result(runs, "plain", r)["optimizer"]["placements"]["host"]["state_bytes"] for r in range(world)]
+    assert sum(state) == total
+    for rank, nbytes in enumerate(state):
+        assert nbytes == sum(per_param[i] for i in owned[rank])
+        assert 0 < nbytes <= total / world + max(per_param), (rank, nbytes, total)
+        info = _result(runs, "plain", rank)["distributed"]
+        assert (info["world"], info["rank"], info["backend"]) == (world, rank, "gloo")
+        assert info["owned_params"] == len(owned[rank])
+        assert any("data parallel over" in line for line in _result(runs, "plain", rank)["events"])
+
+
+def test_a_checkpoint_from_two_ranks_resumes_on_three(out, three):
+    saved = torch.load(out / "checkpoint-2ranks.pt", weights_only=True)
+    assert sorted(saved["optimizer"]["state"]) == list(range(8))  # the full state, gathered from both ranks
+    reference = _reference()
+    for rank in range(3):
+        assert _max_diff(_result(three, "resume", rank)["weights"], reference) <= TOL
+
+
+def test_a_checkpoint_from_two_ranks_resumes_in_one_process(out, two):
+    saved = torch.load(out / "checkpoint-2ranks.pt", weights_only=True)
+    model = make_model(seed=7)
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    try:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        train_steps(model, optimizer, STEPS, 0, 1, start=SAVE_AT)
+        assert _max_diff(weights(model), _reference()) <= TOL
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_a_mismatched_model_is_refused_on_every_rank(two):
+    for rank in range(2):
+        error = _result(two, "mismatch_shape", rank)["error"]
+        assert error is not None and error.startswith("ModelMismatch"), error
+        assert "parameter 6 differs" in error and "[4, 16]" in error and "[5, 16]" in error, error
+        error = _result(two, "mismatch_settings", rank)["error"]
+        assert error is not None and "settings differ" in error and "max_grad_norm=1.0" in error, error
+
+
+def test_a_rank_that_dies_raises_on_the_others(three):
+    assert three[2]["rank_dies"] == {"exit": True}
+    for rank in range(2):
+        result = _result(three, "rank_dies", rank)
+        assert result["error"] is not None and result["error"].startswith("DistributedError"), result
+        assert f"rank {rank} of 3" in result["error"]
+        assert result["seconds"] < 10.0 + 5.0  # within the collectives' timeout, no hang
+
+
+def test_the_distributed_switch_without_a_process_group():
+    assert not dist.is_initialized()
+    assert tsd.active_world() == 1
+    assert tsd.setup([], torch.device("cpu"), None) is None  # None: off without a process group
+    assert tsd.setup([], torch.device("cpu"), None, enabled=False) is None
+    with pytest.raises(ValueError, match="init_process_group"):
+        tsd.setup([], torch.device("cpu"), None, enabled=True)
+    with pytest.raises(ValueError, match="distributed='yes' is not valid"):
+        tsd.setup([], torch.device("cpu"), None, enabled="yes")
