@@ -244,7 +244,7 @@ class TrainStreamSession:
     def _remove_weights(self) -> None:
         """The streamed weights become ordinary tensors: on the device when they fit, else on the host."""
         weights, self.weights = self.weights, None
-        fits = _weights_fit(self)
+        fits = _weights_fit(weights, self.device)
         weights.remove(to_device=fits)
         if not fits:
             import warnings
@@ -276,11 +276,11 @@ class TrainStreamSession:
                 self._interrupts = False
 
 
-def _weights_fit(session: TrainStreamSession) -> bool:
-    if session.device.type != "cuda":
+def _weights_fit(weights, device: torch.device) -> bool:
+    if device.type != "cuda":
         return True
-    free, _total = torch.cuda.mem_get_info(session.device)
-    return session.weights.host_bytes() * 1.05 < free
+    free, _total = torch.cuda.mem_get_info(device)
+    return weights.host_bytes() * 1.05 < free
 
 
 def _no_session():
