@@ -4,22 +4,30 @@ How the pin is applied:
 - The first forward of each new input signature (shapes, dtypes, grad mode, autocast, deterministic
   mode) runs under a TorchFunctionMode that sees each ``F.scaled_dot_product_attention`` call; a
   call shape not seen before is measured there (``"auto"``) or checked (a named backend). Later
-  forwards of a known signature only enter ``sdpa_kernel`` around the model's forward: a few
+  forwards of a known signature only enter the pin around the model's forward: a few
   microseconds, no per-op cost.
 - Backward: autograd replays the backward of the kernel the forward chose, so the forward's pin
   decides. Recomputation (``torch.utils.checkpoint``, Hugging Face gradient checkpointing,
   ``wrap(recompute=...)``) runs forward again inside backward, outside the forward's context: a hook
   on the model's outputs enters the same pin when the first gradient reaches them and leaves it when
   that backward pass ends, so recomputed attention uses the measured backend too.
+- Every pin goes through ``_pin.Pin`` (one process-wide stack), never ``sdpa_kernel``: the switches
+  and the priority order are global, pins here end out of order (autograd's final callback, two
+  models in one backward, a backward that raised), and ``sdpa_kernel`` restores neither exactly
+  (see ``_pin``). When the last pin leaves, the caller's settings are back bit for bit.
+- One backward applies one pin, process-wide: a second model's outputs reached in the same backward
+  with another pin get an event (its recomputation runs under the first). Settings are global, so
+  models trained concurrently in several threads of one process cannot each have their own pin.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
 from .._events import EventLog
@@ -38,6 +46,7 @@ from ._measure import (
     refusal,
     run_backend,
 )
+from ._pin import Pin, caller_state, initialize_order
 
 __all__ = ["ATTENTION_MODES", "AttentionChooser", "AttentionHandle", "check_attention_mode"]
 
@@ -92,32 +101,55 @@ class _Discovery(TorchFunctionMode):
         return self.chooser._discovered_call(self.entry, func, args, kwargs)
 
 
-class _BackwardPin:
-    """Enters the pin when the first gradient reaches one of the model's outputs; leaves it when
-    that backward pass ends (autograd's final callback). One backward through several forwards'
-    outputs (DPO's chosen and rejected) enters only the first pin reached: nested pins released by
-    callbacks in first-queued order would restore the wrong state."""
+_LIVE: list[_BackwardPin] = []  # the backward pin in force now, process-wide (at most one)
+_LIVE_LOCK = threading.Lock()
 
-    def __init__(self, backends: list[SDPBackend], live: list, conflict: Callable[[list, list], None]):
-        self.backends, self.live, self.conflict, self.ctx = backends, live, conflict, None
+
+def _in_backward() -> bool:
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # a torch without the getter: assume not
+        return False
+
+
+def release_stale_backward_pins() -> None:
+    """Leaves backward pins whose backward raised (autograd runs no final callback then). Called when
+    a forward starts outside any backward on this thread: no backward of this process is running."""
+    with _LIVE_LOCK:
+        stale = list(reversed(_LIVE))
+    for pin in stale:
+        pin.release()
+
+
+class _BackwardPin:
+    """Enters the pin when the first gradient reaches one of a forward's outputs; leaves it when that
+    backward pass ends (autograd's final callback). One backward through several forwards' outputs
+    (DPO's chosen and rejected, two wrapped models) enters only the first pin reached; a different
+    pin reached later is reported (``conflict``): its recomputation runs under the first."""
+
+    def __init__(self, backends: list[SDPBackend], device_type: str, conflict: Callable[[list, list], None]):
+        self.backends, self.conflict = backends, conflict
+        self.pin = Pin(backends, device_type)
 
     def __call__(self, grad):
-        if self.ctx is None and not self.live:
-            ctx = sdpa_kernel(self.backends, set_priority=True)
-            ctx.__enter__()
-            self.ctx = ctx
-            self.live.append(self)
-            torch.autograd.Variable._execution_engine.queue_callback(self.release)
-        elif self.ctx is None and self.live[0].backends != self.backends:
-            self.conflict(self.live[0].backends, self.backends)
+        with _LIVE_LOCK:
+            if self in _LIVE:
+                return None
+            if _LIVE:
+                running = _LIVE[0]
+                if running.backends != self.backends:
+                    self.conflict(running.backends, self.backends)
+                return None
+            self.pin.enter()
+            _LIVE.append(self)
+        torch.autograd.Variable._execution_engine.queue_callback(self.release)
         return None
 
     def release(self) -> None:
-        ctx, self.ctx = self.ctx, None
-        if self in self.live:
-            self.live.remove(self)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        with _LIVE_LOCK:
+            if self in _LIVE:
+                _LIVE.remove(self)
+        self.pin.exit()
 
 
 def _output_tensors(value, out: list, depth: int = 0) -> None:
@@ -176,9 +208,8 @@ class AttentionChooser:
         self._depth = 0
         self._current: _Entry | None = None
         self._signature: tuple = ()
-        self._forward_ctx = None
+        self._forward_pin: Pin | None = None
         self._mode_ctx: _Discovery | None = None
-        self._live: list[_BackwardPin] = []
         self._last_backend: str | None = None
         self._no_calls_reported = False
         self._conflict_reported = False
@@ -213,14 +244,15 @@ class AttentionChooser:
             mode, self._mode_ctx = self._mode_ctx, None
             mode.__exit__(None, None, None)
         self._exit_forward_pin()
-        self._release_stale()
+        if not _in_backward():
+            release_stale_backward_pins()
         self._installed, self._depth = False, 0
 
     # ---- forward hooks ------------------------------------------------------------------
 
     def _pre(self, module, args, kwargs):
-        if self._depth == 0:
-            self._release_stale()
+        if self._depth == 0 and not _in_backward():
+            release_stale_backward_pins()
         self._depth += 1
         if self._depth > 1:
             return None
@@ -233,9 +265,7 @@ class AttentionChooser:
             mode.__enter__()
             self._mode_ctx = mode
         elif entry.pin:
-            ctx = sdpa_kernel(entry.pin, set_priority=True)
-            ctx.__enter__()
-            self._forward_ctx = ctx
+            self._forward_pin = Pin(entry.pin, entry.device_type).enter()
         self._current = entry
         self._signature = signature
         return None
@@ -263,15 +293,15 @@ class AttentionChooser:
             tensors: list[torch.Tensor] = []
             _output_tensors(output, tensors)
             if tensors:
-                pin = _BackwardPin(entry.pin, self._live, self._conflict)
+                pin = _BackwardPin(entry.pin, entry.device_type, self._conflict)
                 for tensor in tensors:
                     tensor.register_hook(pin)
         return None
 
     def _exit_forward_pin(self) -> None:
-        if self._forward_ctx is not None:
-            ctx, self._forward_ctx = self._forward_ctx, None
-            ctx.__exit__(None, None, None)
+        if self._forward_pin is not None:
+            pin, self._forward_pin = self._forward_pin, None
+            pin.exit()
 
     def _conflict(self, running: list[SDPBackend], wanted: list[SDPBackend]) -> None:
         if not self._conflict_reported:
@@ -279,11 +309,6 @@ class AttentionChooser:
             self.events.add("attention", f"one backward runs through forwards pinned differently "
                                          f"({[name_of(b) for b in running]} and {[name_of(b) for b in wanted]}): "
                                          f"recomputation in that backward uses the first")
-
-    def _release_stale(self) -> None:
-        # A backward that raised never ran its final callback; its pin is left here, newest first.
-        for pin in reversed(list(self._live)):
-            pin.release()
 
     def _finish(self, entry: _Entry) -> None:
         if not entry.keys and entry.complete and not self._no_calls_reported and torch.is_grad_enabled():
@@ -321,7 +346,7 @@ class AttentionChooser:
         if not entry.pin:
             return func(*args, **kwargs)
         entry.used.add(name_of(entry.pin[0]))
-        with sdpa_kernel(entry.pin, set_priority=True):
+        with Pin(entry.pin, entry.device_type):
             return func(*args, **kwargs)
 
     def _guarded(self, how, call: SdpaCall) -> Measurement:
@@ -343,6 +368,7 @@ class AttentionChooser:
 
     def _measure(self, call: SdpaCall) -> Measurement:
         device = call.device
+        initialize_order(device)  # torch's own (lazy) default order decides ties and the fallbacks
         deterministic, warn_only = determinism()
         backends, left_out = candidates(device, deterministic, warn_only)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -390,10 +416,12 @@ class AttentionChooser:
 
     def _pin(self, entry: _Entry) -> list[SDPBackend] | None:
         """The backends enabled around this signature's forward and backward, in priority order."""
+        enabled = caller_state().enabled  # what the caller turned off stays off (a named backend aside)
         if self.mode != "auto":
             if not entry.keys or any(m.failed for m in entry.keys.values()):
                 return None
-            ranked = [BACKENDS[self.mode], *(b for b in priority_order() if b != BACKENDS[self.mode])]
+            named = BACKENDS[self.mode]
+            ranked = [named, *(b for b in priority_order() if b != named and b in enabled)]
         else:
             measured = [m for m in entry.keys.values() if m.failed is None]
             if not measured:
@@ -402,12 +430,12 @@ class AttentionChooser:
             valid = set.intersection(*(set(m.timings_ms) for m in measured))
             names = sorted(valid, key=lambda n: (sum(m.timings_ms[n] for m in measured), order.index(n)))
             ranked = [BACKENDS[n] for n in names]
-            if SDPBackend.MATH not in ranked:
+            if SDPBackend.MATH not in ranked and SDPBackend.MATH in enabled:
                 ranked.append(SDPBackend.MATH)  # the fallback that runs every shape
         if entry.device_type == "cpu":
             # torch's CPU dispatcher ignores the priority order (flash, then math): enable only the
             # chosen backend, with math behind it as the fallback.
-            return ranked[:1] + ([SDPBackend.MATH] if ranked[0] != SDPBackend.MATH else [])
+            return ranked[:1] + ([SDPBackend.MATH] if SDPBackend.MATH in ranked[1:] else [])
         return ranked
 
     # ---- report ----------------------------------------------------------------------------

@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from ._calls import SdpaCall
+from ._pin import Pin, caller_state
 
 __all__ = ["BACKENDS", "Measurement", "candidates", "default_timer", "measure", "name_of", "run_backend"]
 
@@ -41,9 +42,10 @@ def name_of(backend: SDPBackend) -> str:
 
 
 def priority_order() -> list[SDPBackend]:
-    """The order PyTorch tries the backends in now (ties in a measurement go to the earlier one)."""
+    """The order PyTorch tries the backends in outside every pin (ties in a measurement go to the
+    earlier one)."""
     try:
-        order = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
+        order = [SDPBackend(i) for i in caller_state().priority]
     except (AttributeError, ValueError, TypeError):  # a torch without the private getter
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
@@ -65,14 +67,27 @@ def deterministic_backends(device_type: str, warn_only: bool) -> set[SDPBackend]
     return {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION}
 
 
+_SWITCH = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash",
+           SDPBackend.EFFICIENT_ATTENTION: "mem_efficient", SDPBackend.MATH: "math"}
+
+
+def disabled_by_caller(backend: SDPBackend) -> str:
+    return (f"disabled by the caller (torch.backends.cuda.enable_{_SWITCH[backend]}_sdp(False) or an sdpa_kernel "
+            f"context around the model): not measured")
+
+
 def candidates(device: torch.device, deterministic: bool, warn_only: bool) -> tuple[list[SDPBackend], dict[str, str]]:
-    """(backends to measure in PyTorch's priority order, {name: why left out})."""
+    """(backends to measure in PyTorch's priority order, {name: why left out}). Backends the caller
+    disabled (outside trainstream's pins) are left out: turning one on again is not ours to do."""
     order = priority_order()
+    enabled = caller_state().enabled
+    left = {name_of(b): disabled_by_caller(b) for b in order if b not in enabled}
+    order = [b for b in order if b in enabled]
     if not deterministic:
-        return order, {}
+        return order, left
     allowed = deterministic_backends(device.type, warn_only)
     mode = "torch.use_deterministic_algorithms(True" + (", warn_only=True)" if warn_only else ")")
-    left = {name_of(b): f"not deterministic on {device.type} under {mode}" for b in order if b not in allowed}
+    left.update({name_of(b): f"not deterministic on {device.type} under {mode}" for b in order if b not in allowed})
     return [b for b in order if b in allowed], left
 
 
@@ -100,7 +115,7 @@ def run_backend(backend: SDPBackend, call: SdpaCall, *, dropout_p: float | None 
         options["attn_mask"] = options["attn_mask"].to(dtype)
     with torch.enable_grad() if grad else contextlib.nullcontext(), \
             torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        with sdpa_kernel([backend]):
+        with Pin([backend], call.device.type):
             out = F.scaled_dot_product_attention(q, k, v, **options)
         inputs = [t for t in (q, k, v) if t.requires_grad]
         if not inputs:
