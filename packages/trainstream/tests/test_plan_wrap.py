@@ -292,3 +292,53 @@ def test_plot_memory_draws_the_plan_and_the_steps(tmp_path):
     with open(path, "rb") as f:
         data = f.read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# ---- on a GPU (the lead's H200 batch) --------------------------------------------------------------------
+
+def _with_fraction(fraction: float):
+    device = torch.device("cuda", torch.cuda.current_device())
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    old = get(device) if get is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return device, old
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_plan_honours_the_memory_fraction_and_bounds_the_step():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device, old = _with_fraction(0.5)
+    try:
+        total = torch.cuda.get_device_properties(device).total_memory
+        model = tiny_llama(dtype=torch.bfloat16)
+        model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda")
+        plan = trainstream.memory_report(model)["plan"]
+        assert plan["fits"] and plan["budget"]["vram_bytes"] == int(total * 0.5)
+        torch.cuda.reset_peak_memory_stats(device)
+        for ids in batches(2, batch=1, seq=64):
+            loss_of(model, ids.to(device)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        stalls = trainstream.memory_report(model)["stalls"]
+        assert len(stalls) == 2 and stalls[-1]["gpu"]["peak_allocated"] > 0
+        trainstream.unwrap(model)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(old, device)
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_refused_wrap_allocates_nothing():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(dtype=torch.bfloat16), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    device, old = _with_fraction(1e-6)  # about 140 KB: not even the bf16 base fits
+    try:
+        before = torch.cuda.memory_allocated(device)
+        with pytest.raises(PlanRefused, match="of VRAM"):
+            trainstream.wrap(model, quantize=None, device="cuda")
+        assert torch.cuda.memory_allocated(device) == before
+        assert all(p.device.type == "cpu" for p in model.parameters())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(old, device)

@@ -149,7 +149,8 @@ def describe_model(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> Mod
     if lora:
         first = next(iter(lora[0][1].lora_A.values())).weight
         rank, adapter = int(first.shape[0]), _DTYPE.get(first.dtype, "float32")
-        targets = tuple(sorted({name for name, _ in lora}, key=lambda n: (n not in ts_planner.LORA_TARGETS, n)))
+        names = {name for name, _ in lora}
+        targets = tuple(t for t in ts_planner.LORA_TARGETS if t in names) + tuple(sorted(names - set(ts_planner.LORA_TARGETS)))
     fmt = str(quantized[0].format) if quantized else None
     facts = dict(train=train, lora_rank=rank, lora_targets=targets, dtype=dtype or "float32",
                  adapter_dtype=adapter, quantized=fmt, blocks=len(blocks),
