@@ -55,6 +55,8 @@ def main() -> None:
             assert i not in pool
             continue
         dst = torch.full((n,), 7, dtype=torch.uint8, device=device)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))  # the fill above runs first
         pool.copy_block(i, dst, stream)
         if stream is not None:
             stream.synchronize()
@@ -97,6 +99,9 @@ def main() -> None:
         buf.release()
 
     result["support"] = list(ts_peer.peer_support(device=device if backend == "cuda" else None))
+    result["budgets"] = ts_peer.pool_budgets(device=device if backend == "cuda" else None)
+    if backend == "cuda":
+        result["free"] = torch.cuda.mem_get_info(0)[0]
     dist.barrier()
     dist.destroy_process_group()
     with open(out, "w") as f:

@@ -40,6 +40,21 @@ def test_cuda_only_calls_say_cuda_is_missing(name, call):
         call()
 
 
+@pytest.mark.skipif(not _core.built_with_cuda or _core.cuda_device_present(), reason="needs a CUDA build, no GPU")
+@pytest.mark.parametrize("name, call", [
+    ("can_access_peer", lambda: _core.can_access_peer(0, 1)),
+    ("enable_peer_access", lambda: _core.enable_peer_access(0, 1)),
+    ("pci_bus_id", lambda: _core.pci_bus_id(0)),
+    ("ipc_open", lambda: _core.ipc_open(b"\0" * 64, 0)),
+    ("copy_async", lambda: _core.copy_async(8, 0, 16, 0, 4, 0)),
+    ("DeviceBuffer", lambda: ts_peer.DeviceBuffer(0, 1024)),
+])
+def test_a_cuda_build_without_a_gpu_says_so(name, call):
+    assert _core.device_count() == 0 and _core.device_from_pci_bus_id("0000:01:00.0") == -1
+    with pytest.raises(RuntimeError, match=f"^{name}: no CUDA device or driver is present"):
+        call()
+
+
 @pytest.mark.skipif(ts_peer.cuda_available(), reason="CUDA works here")
 def test_cuda_pool_and_support_without_cuda():
     with pytest.raises(RuntimeError, match="PeerPool on cuda"):

@@ -47,3 +47,7 @@ def test_peer_support_agrees_on_every_rank(ranks):
     ok, reason = ranks[0]["support"]
     assert not ok and reason.startswith("rank(s) 0, 1 cannot use CUDA peer pools")
     assert ranks[1]["support"] == ranks[0]["support"]
+
+
+def test_pool_budgets_without_cuda_are_zero(ranks):
+    assert ranks[0]["budgets"] == ranks[1]["budgets"] == [0, 0]

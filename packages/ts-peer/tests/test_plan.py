@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ts_peer import assign_blocks
+from ts_peer import assign_blocks, split_free_vram
 
 sizes = st.lists(st.integers(0, 10_000), max_size=40)
 rooms = st.lists(st.integers(0, 60_000), max_size=6)
@@ -74,3 +74,23 @@ def test_small_example():
 def test_bad_input_is_named(args, match):
     with pytest.raises(ValueError, match=match):
         assign_blocks(*args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranks=st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 10**12)), min_size=1, max_size=8),
+       fraction=st.floats(0, 1))
+def test_ranks_sharing_a_gpu_split_its_free_memory(ranks, fraction):
+    gpus, free = [g for g, _ in ranks], [f for _, f in ranks]
+    budgets = split_free_vram(gpus, free, fraction)
+    for g in set(gpus):
+        mine = [b for gg, b in zip(gpus, budgets) if gg == g]
+        assert len(set(mine)) == 1  # an even split
+        assert sum(mine) <= min(f for gg, f in zip(gpus, free) if gg == g) * fraction  # counted once
+
+
+def test_split_free_vram_example_and_bad_input():
+    assert split_free_vram(["a", "a", "b"], [100, 90, 50], 0.5) == [22, 22, 25]
+    with pytest.raises(ValueError, match="one per rank"):
+        split_free_vram(["a"], [1, 2])
+    with pytest.raises(ValueError, match=r"fraction=1\.5"):
+        split_free_vram(["a"], [1], 1.5)

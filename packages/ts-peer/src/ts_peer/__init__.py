@@ -5,9 +5,10 @@ blocks are split among the ranks' GPUs and each rank copies a block from its own
 from ._core import DeviceBuffer
 from ._handles import IpcHandle
 from ._native import cuda_available
-from ._plan import assign_blocks
+from ._plan import assign_blocks, split_free_vram
 from ._pool import PeerPool
-from ._support import peer_support
+from ._support import peer_support, pool_budgets
 
-__all__ = ["DeviceBuffer", "IpcHandle", "PeerPool", "assign_blocks", "cuda_available", "peer_support"]
+__all__ = ["DeviceBuffer", "IpcHandle", "PeerPool", "assign_blocks", "cuda_available", "peer_support", "pool_budgets",
+           "split_free_vram"]
 __version__ = "0.1.0"

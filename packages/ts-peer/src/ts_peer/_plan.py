@@ -1,10 +1,11 @@
-"""assign_blocks: which rank's pool holds which block (pure; no GPU, no process group)."""
+"""assign_blocks: which rank's pool holds which block; split_free_vram: how much each rank may pool.
+Both pure (no GPU, no process group); pool_budgets in _support gathers their inputs."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["assign_blocks"]
+__all__ = ["assign_blocks", "split_free_vram"]
 
 
 def _sizes(values: Sequence[int], name: str) -> list[int]:
@@ -36,3 +37,18 @@ def assign_blocks(block_bytes: Sequence[int], free_vram_per_rank: Sequence[int])
             owners[i] = rank
             room[rank] -= sizes[i]
     return owners
+
+
+def split_free_vram(gpus: Sequence[str], free_bytes: Sequence[int], fraction: float = 0.5) -> list[int]:
+    """Each rank's pool budget in bytes: ``fraction`` of its GPU's free bytes, shared evenly by the
+    ranks on that GPU (``gpus[r]`` names rank r's GPU, e.g. its PCI bus id; ranks on one GPU see
+    the same free memory, which must not be counted twice). Pure."""
+    if len(gpus) != len(free_bytes):
+        raise ValueError(f"gpus has {len(gpus)} entries, free_bytes {len(free_bytes)}: one per rank")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} must be a number in [0, 1]")
+    free = _sizes(free_bytes, "free_bytes")
+    sharing = {g: gpus.count(g) for g in gpus}
+    # A GPU's free bytes as the lowest report of its ranks (they were measured at different instants).
+    lowest = {g: min(f for gg, f in zip(gpus, free) if gg == g) for g in sharing}
+    return [int(lowest[g] * fraction) for g in gpus]

@@ -12,8 +12,9 @@ import torch
 from . import _core
 from ._handles import IpcHandle
 from ._native import cuda_available, gather, rank_and_world, stream_handle, unavailable_reason
+from ._plan import split_free_vram
 
-__all__ = ["peer_support", "summarize"]
+__all__ = ["peer_support", "pool_budgets", "summarize"]
 
 _PROBE_BYTES = 4096
 
@@ -118,3 +119,16 @@ def _round_trips(rank: int, index: int, handles: list, report: dict) -> None:
                 report["ipc_failed"][r] = "the bytes read through the handle differ from those written"
         except Exception as e:
             report["ipc_failed"][r] = f"{type(e).__name__}: {e}"
+
+
+def pool_budgets(group=None, device: torch.device | str | None = None, fraction: float = 0.5) -> list[int]:
+    """Collective: every rank's pool budget in bytes, the same list on every rank, for
+    ``assign_blocks``: ``fraction`` of each GPU's free memory now (``torch.cuda.mem_get_info``),
+    split among the ranks that share that GPU. A rank without CUDA gets 0."""
+    rank, world = rank_and_world(group)
+    report = _probe_local(device)
+    free = 0
+    if report["error"] is None:
+        free = torch.cuda.mem_get_info(report["device"])[0]
+    reports = gather((report["bus"] or f"no-gpu-rank-{rank}", free), group, world)
+    return split_free_vram([g for g, _ in reports], [f for _, f in reports], fraction)
