@@ -51,4 +51,4 @@ def split_free_vram(gpus: Sequence[str], free_bytes: Sequence[int], fraction: fl
     sharing = {g: gpus.count(g) for g in gpus}
     # A GPU's free bytes as the lowest report of its ranks (they were measured at different instants).
     lowest = {g: min(f for gg, f in zip(gpus, free) if gg == g) for g in sharing}
-    return [int(lowest[g] * fraction) for g in gpus]
+    return [int(lowest[g] * fraction) // sharing[g] for g in gpus]
