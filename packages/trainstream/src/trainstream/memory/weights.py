@@ -22,6 +22,11 @@ Invariants:
      read it, and the copy into it never races memory the compute stream just freed.
   3. The compute stream uses a block only after its copy (an event), and the block in use is
      never evicted.
+  4. VRAM held by streamed blocks stays near ``capacity`` blocks although the host runs ahead of
+     the GPU: an evicted buffer returns to the allocator only once the compute stream is past its
+     last use, so before a fetch allocates, the host waits for all but ``_FREEING_SLACK`` of the
+     evictions still pending on the GPU. (Unbounded, the host queues the copies of the whole
+     stack; under a VRAM cap the allocator then frees its cache and synchronizes, mid-step.)
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ def _tensors(value, depth: int = 0):
             yield from _tensors(v, depth + 1)
 
 _ALIGN = 256  # bytes: each parameter's view starts aligned for vectorized kernels
+
+
+_FREEING_SLACK = 1  # evicted buffers still in use on the GPU when a fetch allocates (invariant 4)
 
 
 def _align(n: int) -> int:
@@ -106,10 +114,11 @@ class WeightStreamer:
             for module, _n, _p in b.params:
                 self._modules[id(module)] = (module, i)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident blocks
+        self._freeing: collections.deque = collections.deque()  # compute-stream events after evictions
         self._current: int | None = None
         self._handles, self._hooks = [], []
         self.peak_resident = 0
-        self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0}
+        self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0}
 
     # ---- setting up -----------------------------------------------------------------
 
@@ -203,6 +212,7 @@ class WeightStreamer:
             self._evict(victim)
         b = self.streamed[index]
         if self.channel.is_cuda:
+            self._wait_for_freed()
             h2d = self.channel.h2d
             with torch.cuda.device(self.device), torch.cuda.stream(h2d):
                 b.device.untyped_storage().resize_(b.nbytes)
@@ -229,8 +239,20 @@ class WeightStreamer:
             b.device.record_stream(torch.cuda.current_stream(self.device))
         self._point(b, device=False)
         b.device.untyped_storage().resize_(0)  # freed once the compute stream is past its uses
+        if self.channel.is_cuda:
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.device))
+            self._freeing.append(freed)
         self._lru.pop(index, None)
         self.counters["evictions"] += 1
+
+    def _wait_for_freed(self) -> None:
+        """Invariant 4: at most _FREEING_SLACK evicted buffers still wait for the GPU."""
+        while self._freeing and (len(self._freeing) > _FREEING_SLACK or self._freeing[0].query()):
+            event = self._freeing.popleft()
+            if not event.query():
+                event.synchronize()
+                self.counters["host_waits"] += 1
 
     def evict_all(self) -> None:
         for index in list(self._lru):
