@@ -253,3 +253,24 @@ def test_a_stock_trainer_without_the_callback_is_refused_at_its_first_step(tmp_p
         assert model._trainstream_session.steps == 0
     finally:
         trainstream.unwrap(model)
+
+
+def test_sft_from_a_path_quantized_on_load_through_model_init_kwargs(tmp_path):
+    from trainstream.integrations.huggingface import TrainStreamQuantConfig
+    from ts_quant import QuantLinear
+
+    folder = tmp_path / "model"
+    tiny_llama().save_pretrained(folder)
+    runs = {}
+    for cls in (trl.SFTTrainer, ts_trl.TrainStreamSFTTrainer):
+        init = {"quantization_config": TrainStreamQuantConfig("nf4"), "dtype": torch.float32}
+        config = trl.SFTConfig(**_common(tmp_path / cls.__name__), model_init_kwargs=init)
+        trainer = cls(model=str(folder), args=config, train_dataset=datasets.Dataset.from_list(TEXTS),
+                      processing_class=_tokenizer(), peft_config=_lora())
+        assert isinstance(trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer, QuantLinear)
+        trainer.train()
+        runs[cls] = trainer
+    ours = runs[ts_trl.TrainStreamSFTTrainer]
+    ours.model._trainstream_session.synchronize()
+    _assert_same_run(ours, runs[trl.SFTTrainer])
+    trainstream.unwrap(ours.model)

@@ -27,10 +27,9 @@ import torch
 from tqdm.auto import tqdm
 from ts_pinned import _core as _pinned_core
 from ts_quant import QuantLinear
-from ts_quant import quantize as quantize_tensor
 
 from .. import find_blocks
-from ..memory.quantize import block_linears, check_quantize, size_estimates
+from ..memory.quantize import block_linears, check_quantize, quantize_model, size_estimates
 
 __all__ = ["load_model"]
 
@@ -289,8 +288,14 @@ def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _quantized_layer(linear: torch.nn.Linear, weight: torch.Tensor, fmt: str, block_size: int | None) -> QuantLinear:
-    # The bias is its own checkpoint tensor: already read (real) or still a meta placeholder.
-    return QuantLinear(quantize_tensor(weight, fmt, block_size), linear.bias)
+    """The layer ``wrap(quantize=fmt)`` makes of ``linear`` holding ``weight``: ``quantize_model``'s own path,
+    run on a holder of this one layer. The bias is its own checkpoint tensor: already read (real) or still a
+    meta placeholder that the loader replaces on the new layer. Shared by load_model and the HF quantizer."""
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)  # frozen: quantize_model skips trainable ones
+    holder = torch.nn.Module()
+    holder.layer = linear
+    quantize_model(holder, fmt, blocks=[holder], block_size=block_size)
+    return holder.layer
 
 
 def load_model(name_or_path: str, *, quantize: str | None = "auto", dtype: torch.dtype = torch.bfloat16,
@@ -386,5 +391,4 @@ def _materialize_random(model, targets, fmt, block_size) -> None:
                 init(module)
         if id(module) in quantize_ids:
             parent, attr = quantize_ids[id(module)]
-            layer = QuantLinear(quantize_tensor(module.weight.detach(), fmt, block_size), module.bias)
-            setattr(parent, attr, layer)
+            setattr(parent, attr, _quantized_layer(module, module.weight.detach(), fmt, block_size))

@@ -23,9 +23,10 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from .. import OffloadAdamW, causal_lm_loss, find_blocks, sequence_logprobs, wrap
 from .._options import parse_options
 from .hf_loading import load_model
+from .hf_quantizer import TrainStreamQuantConfig  # registers the quantizer with transformers
 from .kvcache import TrainStreamCache  # imports ts-kvcache when first used
 
-__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamMixin", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head",
+__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamMixin", "TrainStreamQuantConfig", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head",
            "decoder_layers", "load_model", "reference_logprobs", "wrap_hf"]
 
 # Config fields that change logits after the projection: the chunked loss cannot reproduce them.
