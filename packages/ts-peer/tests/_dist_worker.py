@@ -98,6 +98,21 @@ def main() -> None:
         dist.barrier()
         buf.release()
 
+    # The one-call set-up: same blocks on every rank, budgets that leave one block on the host.
+    every = {f"w{i}": block_data(50 + i, 1000 * (i + 1)).to(device) for i in range(5)}
+    kwargs = {} if backend == "cuda" else {"budgets": [5000, 5000][:world], "backend": "host"}
+    auto, reason = ts_peer.pool_blocks(every, device=device, **kwargs)
+    result["auto_reason"] = reason
+    result["auto_equal"] = {}
+    for block_id, want in every.items():
+        if block_id in auto:
+            got = torch.empty_like(want)
+            auto.copy_block(block_id, got)
+            result["auto_equal"][block_id] = torch.equal(got.cpu(), want.cpu())
+    auto.close()
+    mine = {"w0": b"x" * (3 if rank == 0 else 4)}
+    result["auto_mismatch"] = error_of(lambda: ts_peer.pool_blocks(mine, device=device, **kwargs))
+
     result["support"] = list(ts_peer.peer_support(device=device if backend == "cuda" else None))
     result["budgets"] = ts_peer.pool_budgets(device=device if backend == "cuda" else None)
     if backend == "cuda":

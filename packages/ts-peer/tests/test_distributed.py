@@ -51,3 +51,11 @@ def test_peer_support_agrees_on_every_rank(ranks):
 
 def test_pool_budgets_without_cuda_are_zero(ranks):
     assert ranks[0]["budgets"] == ranks[1]["budgets"] == [0, 0]
+
+
+def test_pool_blocks_sets_up_in_one_call(ranks):
+    for r in ranks:
+        # w0..w4 = 1000..5000 bytes into two budgets of 5000: w4 | w3 + w0; w2 and w1 fit nowhere after that.
+        assert r["auto_reason"] == "3 of 5 blocks (10000 bytes) pooled across 2 ranks; 2 left with their host source"
+        assert r["auto_equal"] == {"w0": True, "w3": True, "w4": True}
+        assert r["auto_mismatch"].startswith("ValueError: pool_blocks: rank 1's blocks differ from rank 0's")

@@ -2,6 +2,7 @@
 blocks are split among the ranks' GPUs and each rank copies a block from its owner's GPU
 (CUDA IPC handles exchanged through torch.distributed) instead of from host RAM."""
 
+from ._auto import pool_blocks
 from ._core import DeviceBuffer
 from ._handles import IpcHandle
 from ._native import cuda_available
@@ -9,6 +10,6 @@ from ._plan import assign_blocks, split_free_vram
 from ._pool import PeerPool
 from ._support import peer_support, pool_budgets
 
-__all__ = ["DeviceBuffer", "IpcHandle", "PeerPool", "assign_blocks", "cuda_available", "peer_support", "pool_budgets",
-           "split_free_vram"]
+__all__ = ["DeviceBuffer", "IpcHandle", "PeerPool", "assign_blocks", "cuda_available", "peer_support", "pool_blocks",
+           "pool_budgets", "split_free_vram"]
 __version__ = "0.1.0"
