@@ -114,9 +114,12 @@ class HostBuffer:
 
     def release(self) -> None:
         self.unlink()
-        self.tensor = None  # the mmap closes only once no tensor exports its buffer
+        self.tensor = None
         if self.map is not None:
-            self.map.close()
+            # A view still alive somewhere (a caller's, a traceback's) keeps the buffer exported:
+            # then the mapping goes with the last view; the file is already unlinked.
+            with contextlib.suppress(BufferError):
+                self.map.close()
             self.map = None
 
 
@@ -163,7 +166,8 @@ class HostBackend:
         if m.refs == 0:
             del _host_open[h.handle]
             m.tensor = None
-            m.map.close()
+            with contextlib.suppress(BufferError):  # as in HostBuffer.release
+                m.map.close()
 
     def shared(self, buffer) -> None:
         """Every rank has mapped the file: unlink it now, so nothing is left behind if a rank dies."""
