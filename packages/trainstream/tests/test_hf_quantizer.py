@@ -67,7 +67,7 @@ def _load_then_wrap(folder, fmt):
 
 
 @pytest.mark.parametrize(("fmt", "which"), [("nf4", "llama_dir"), ("int8", "llama_dir"), ("nf4", "qwen_dir"),
-                                            ("nvfp4", "llama_dir")])
+                                            ("fp8", "llama_dir"), ("nvfp4", "llama_dir")])
 def test_quantized_load_equals_load_then_wrap(fmt, which, request):
     folder = request.getfixturevalue(which)
     loaded = _load(folder, quantization_config=TrainStreamQuantConfig(fmt))
