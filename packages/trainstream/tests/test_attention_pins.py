@@ -157,3 +157,51 @@ def test_pins_left_in_any_order_restore_the_settings_exactly(switches, priority,
         for pin in entered:
             pin.exit()
         _set(dict(zip(_SWITCHES, initial[0])), list(initial[1]))
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+
+
+def _compiled_steps(whole: bool | None, mode: str, steps: int = 2):
+    from test_attention import _tiny_qwen
+
+    torch._dynamo.reset()
+    model = _tiny_qwen("sdpa")
+    chooser = AttentionChooser(mode, timer=fake_timer({"flash": 9.0, "math": 1.0}))
+    chooser.install(model)
+    run = model
+    if whole:
+        run = torch.compile(model, backend="aot_eager")
+    elif whole is False:  # the first block only: the other runs eagerly, as a reference inside the same model
+        model.model.layers[0].compile(backend="aot_eager", dynamic=False)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    torch._dynamo.reset()
+    return chooser, losses
+
+
+def test_compiled_blocks_are_measured_and_pinned():
+    # Dynamo used to trace the measurement inside a compiled block (it failed: PyTorch's order) and
+    # left a pin on; the chooser's hooks and measurement now run eagerly, with a graph break.
+    before = sdpa_settings()
+    chooser, losses = _compiled_steps(whole=False, mode="auto")
+    _, reference = _compiled_steps(whole=None, mode="auto")  # not compiled
+    assert sdpa_settings() == before
+    report = chooser.report()
+    assert report["backend"] == "math" and not report["failed"], report
+    assert losses == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["auto", "math"])
+def test_a_compiled_model_is_measured_and_pinned(mode):
+    # torch.compile(model) traced the discovery TorchFunctionMode and broke the model's forward
+    # (a Tensor.device read returned a torch.Size).
+    before = sdpa_settings()
+    chooser, losses = _compiled_steps(whole=True, mode=mode)
+    assert sdpa_settings() == before and chooser.report()["backend"] == "math"
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)  # no optimizer step: the same loss twice

@@ -94,6 +94,7 @@ class _Discovery(TorchFunctionMode):
         super().__init__()
         self.chooser, self.entry = chooser, entry
 
+    @torch.compiler.disable  # dynamo mis-traces user modes (a Tensor.device read gave a torch.Size)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
@@ -131,6 +132,7 @@ class _BackwardPin:
         self.backends, self.conflict = backends, conflict
         self.pin = Pin(backends, device_type)
 
+    @torch.compiler.disable  # hooks and pins run eagerly, also under compiled autograd
     def __call__(self, grad):
         with _LIVE_LOCK:
             if self in _LIVE:
@@ -145,6 +147,7 @@ class _BackwardPin:
         torch.autograd.Variable._execution_engine.queue_callback(self.release)
         return None
 
+    @torch.compiler.disable
     def release(self) -> None:
         with _LIVE_LOCK:
             if self in _LIVE:
@@ -250,6 +253,9 @@ class AttentionChooser:
 
     # ---- forward hooks ------------------------------------------------------------------
 
+    # Hooks, measuring and pins run eagerly under torch.compile (dynamo would trace the measurement
+    # and the locks): a graph break at each, and the compiled region is traced under the pin.
+    @torch.compiler.disable
     def _pre(self, module, args, kwargs):
         if self._depth == 0 and not _in_backward():
             release_stale_backward_pins()
@@ -270,6 +276,7 @@ class AttentionChooser:
         self._signature = signature
         return None
 
+    @torch.compiler.disable
     def _post(self, module, args, kwargs, output):
         if self._depth == 0:  # a hook before ours raised: our pre-hook never ran
             return None
@@ -322,6 +329,7 @@ class AttentionChooser:
 
     # ---- one attention call in a discovery forward ----------------------------------------
 
+    @torch.compiler.disable
     def _discovered_call(self, entry: _Entry, func, args, kwargs):
         try:
             call = SdpaCall.from_args(args, kwargs)
