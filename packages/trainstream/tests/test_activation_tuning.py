@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trainstream
+import ts_pinned
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_activations import Stack, _run
@@ -192,4 +193,25 @@ def test_a_paging_trial_the_link_cannot_win_is_not_run(fake_device):
     assert report["activations"]["policy"] == ["recompute", "recompute", "recompute", "keep"]
     assert any("not tried: " in e for e in report["events"])
     assert report["activations"]["paging"]["pages"] <= 10  # block 0's probe pages only
+    trainstream.unwrap(model)
+
+
+def test_a_losing_paging_trial_gives_its_page_pool_back(fake_device, monkeypatch):
+    """Recompute measures faster: the slabs page-locked for the paging trial are returned at settle."""
+    device = fake_device(recompute_s=1.0, page_s=3.0)
+    arena = ts_pinned.PinnedArena(slab_bytes=64 << 10)  # small slabs, private: the pool's growth is visible
+    monkeypatch.setattr(trainstream._session.ts_pinned, "default_arena", lambda: arena)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    device.policy = model._trainstream_session.activations
+    reserved = []
+    for _ in range(6):
+        _run(model, opt, steps=1)
+        reserved.append(arena.stats()["arena_bytes"])
+    report = trainstream.memory_report(model)
+    assert report["activations"]["policy"] == ["recompute", "recompute", "recompute", "keep"]
+    paging = report["activations"]["paging"]
+    assert paging["pool_grown"] > 0 and paging["pool_released"] >= paging["pool_grown"] - (64 << 10)
+    assert reserved[-1] == reserved[-2] < max(reserved)  # and the pool does not grow back
+    assert any("released" in e and "page-locked" in e for e in report["events"])
+    arena.check_invariants()
     trainstream.unwrap(model)

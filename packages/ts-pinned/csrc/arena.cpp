@@ -27,9 +27,17 @@ bool Arena::add_slab_locked(size_t bytes) {
     if (cap_bytes_ != kUnlimited && reserved_ + bytes > cap_bytes_) return false;
     HostRegion region = allocate_host(bytes, /*allow_pageable=*/false);
     ++host_alloc_calls_;
-    slabs_.push_back(Slab{region, {}});
+    auto slot = std::find_if(slabs_.begin(), slabs_.end(), [](const Slab& s) { return s.region.ptr == nullptr; });
+    int index;
+    if (slot != slabs_.end()) {
+        slot->region = region;
+        index = static_cast<int>(slot - slabs_.begin());
+    } else {
+        slabs_.push_back(Slab{region, {}});
+        index = static_cast<int>(slabs_.size()) - 1;
+    }
     reserved_ += bytes;
-    insert_free_locked(static_cast<int>(slabs_.size()) - 1, 0, bytes);
+    insert_free_locked(index, 0, bytes);
     return true;
 }
 
@@ -176,6 +184,23 @@ void Arena::release(void* ptr) {
     insert_free_locked(block.slab, offset, length);
 }
 
+size_t Arena::trim(size_t keep_bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t released = 0;
+    for (size_t i = slabs_.size(); i-- > 0 && reserved_ > keep_bytes;) {
+        Slab& slab = slabs_[i];
+        if (slab.region.ptr == nullptr || slab.free_ranges.size() != 1) continue;
+        auto [offset, length] = *slab.free_ranges.begin();
+        if (offset != 0 || length != slab.region.bytes) continue;  // some block lives here
+        erase_free_locked(static_cast<int>(i), offset, length);
+        free_host(slab.region);
+        reserved_ -= slab.region.bytes;
+        released += slab.region.bytes;
+        slab.region = HostRegion{};
+    }
+    return released;
+}
+
 void Arena::set_slab_bytes(size_t bytes) {
     TS_CHECK_ARG(bytes > 0, "slab size must be positive");
     TS_CHECK_ARG(bytes <= kMaxRequest, "slab size (", bytes, ") is larger than any host can hold");
@@ -188,7 +213,8 @@ ArenaStats Arena::stats() const {
     ArenaStats s;
     s.arena_bytes = reserved_;
     s.arena_used = used_;
-    s.arena_slabs = slabs_.size();
+    s.arena_slabs = static_cast<size_t>(
+        std::count_if(slabs_.begin(), slabs_.end(), [](const Slab& sl) { return sl.region.ptr != nullptr; }));
     s.arena_cap = cap_bytes_;
     s.arena_fallbacks = fallbacks_;
     s.arena_largest_free = free_by_size_.empty() ? 0 : std::get<0>(*free_by_size_.rbegin());

@@ -59,6 +59,10 @@ public:
     void release(void* ptr);
 
     void set_slab_bytes(size_t bytes);
+    // Returns wholly free slabs to the system (unlocked and freed), the latest
+    // first, while more than `keep_bytes` are reserved. Slabs holding any block
+    // stay. Returns the bytes released.
+    size_t trim(size_t keep_bytes);
     ArenaStats stats() const;
 
     // Consistency check for tests: free and used ranges tile every slab, free
@@ -66,6 +70,8 @@ public:
     void check_invariants() const;
 
 private:
+    // A trimmed slab keeps its index (blocks and the size index name slabs by
+    // index) with an empty region; add_slab_locked reuses such a slot.
     struct Slab {
         HostRegion region;
         std::map<size_t, size_t> free_ranges;  // offset -> length

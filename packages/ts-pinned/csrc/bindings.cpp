@@ -95,6 +95,7 @@ NB_MODULE(_core, m) {
         .def("reserve", &Arena::reserve, nb::arg("bytes_now"), nb::arg("cap") = 0,
              nb::call_guard<nb::gil_scoped_release>())
         .def("set_slab_bytes", &Arena::set_slab_bytes, nb::arg("bytes"))
+        .def("trim", &Arena::trim, nb::arg("keep_bytes") = 0, nb::call_guard<nb::gil_scoped_release>())
         .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
         .def("check_invariants", &Arena::check_invariants);
 

@@ -1,4 +1,4 @@
-"""Property-based test of the allocator: random reserve / alloc / free / set_slab_bytes
+"""Property-based test of the allocator: random reserve / alloc / free / set_slab_bytes / trim
 sequences against a model of the arena; every step checks the invariants."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ArenaMachine(RuleBasedStateMachine):
         super().__init__()
         self.live: dict[int, Live] = {}
         self.next_id = 0
-        self.slabs: list[int] = []  # model of the slab sizes, in order
+        self.slots: list[int | None] = []  # model of the slab sizes by slot; None: trimmed, reused first
 
     @initialize(
         slab=st.sampled_from([ALIGN, 1000, 4096, 3 * ALIGN + 7, 16384, 65536]),
@@ -58,6 +58,16 @@ class ArenaMachine(RuleBasedStateMachine):
 
     def stats(self) -> dict:
         return self.arena.stats()
+
+    @property
+    def slabs(self) -> list[int]:
+        return [b for b in self.slots if b is not None]
+
+    def add_slab(self, nbytes: int) -> None:
+        if None in self.slots:
+            self.slots[self.slots.index(None)] = nbytes
+        else:
+            self.slots.append(nbytes)
 
     def growth(self, length: int, reserved: int) -> int:
         """Bytes the arena adds for a request of `length` it cannot carve; 0 = fallback."""
@@ -80,7 +90,7 @@ class ArenaMachine(RuleBasedStateMachine):
             self.cap = max(cap, reserved)
         while reserved < bytes_now:
             want = aligned(min(self.slab, bytes_now - reserved))
-            self.slabs.append(want)
+            self.add_slab(want)
             reserved += want
         if self.cap is not None:
             self.cap = max(self.cap, reserved)
@@ -120,7 +130,7 @@ class ArenaMachine(RuleBasedStateMachine):
             if grow:
                 assert not fallback
                 assert after["arena_bytes"] == before["arena_bytes"] + grow
-                self.slabs.append(grow)
+                self.add_slab(grow)
             else:
                 assert fallback, "fell back although the cap left room"
                 assert after["arena_bytes"] == before["arena_bytes"]
@@ -161,6 +171,22 @@ class ArenaMachine(RuleBasedStateMachine):
         self.arena.set_slab_bytes(slab)
         self.slab = slab
         assert self.stats()["slab_bytes"] == slab
+
+    @precondition(lambda self: not self.live)
+    @rule(keep=st.integers(0, 200_000))
+    def trim(self, keep):
+        """With nothing allocated every slab is free: the latest go first while more than keep is reserved."""
+        reserved = sum(self.slabs)
+        expect = 0
+        for i in reversed(range(len(self.slots))):
+            if reserved <= keep:
+                break
+            if self.slots[i] is not None:
+                reserved -= self.slots[i]
+                expect += self.slots[i]
+                self.slots[i] = None
+        assert self.arena.trim(keep) == expect
+        assert self.stats()["arena_bytes"] == reserved
 
     @precondition(lambda self: self.live)
     @rule()

@@ -187,3 +187,36 @@ def test_scalar_and_shape_forms(arena):
     assert arena.empty(torch.Size([2, 3])).shape == (2, 3)
     assert arena.empty([np.int64(4), 2], torch.int8).shape == (4, 2)
     assert arena.empty(np.int32(7)).shape == (7,)
+
+
+def test_trim_returns_only_wholly_free_slabs_and_live_blocks_keep_their_bytes():
+    arena = ts_pinned.PinnedArena(slab_bytes=64 << 10)
+    arena.reserve(3 * (64 << 10))
+    held = arena.empty(1000, torch.uint8, tag="held")  # carved from one slab
+    held.copy_(torch.arange(1000) % 251)
+    released = arena.trim()
+    s = arena.stats()
+    assert released == 2 * (64 << 10)
+    assert s["arena_bytes"] == 64 << 10 and s["arena_slabs"] == 1 and s["arena_used"] > 0
+    assert torch.equal(held, (torch.arange(1000) % 251).to(torch.uint8))
+    assert arena.trim() == 0  # the slab in use stays
+    again = arena.empty(200 << 10, torch.uint8)  # a trimmed slot is reused for the new slab
+    assert arena.stats()["arena_slabs"] == 2
+    arena.check_invariants()
+    del held, again
+    assert arena.trim(keep_bytes=64 << 10) > 0 and arena.stats()["arena_bytes"] <= 64 << 10
+    with pytest.raises(ValueError):
+        arena.trim(-1)
+
+
+def test_trim_keeps_a_slab_whose_only_free_range_starts_at_zero():
+    """A block at a slab's end with the start free: one free range at offset 0, not the whole slab."""
+    arena = ts_pinned.PinnedArena(slab_bytes=64 << 10)
+    first = arena.empty(16 << 10, torch.uint8)
+    last = arena.empty(48 << 10, torch.uint8)  # fills the slab to its end
+    last.fill_(7)
+    del first
+    assert arena.trim() == 0
+    assert arena.stats()["arena_bytes"] == 64 << 10
+    assert bool((last == 7).all())
+    arena.check_invariants()

@@ -106,6 +106,11 @@ class PinnedArena:
             raw = raw.view(dtype)
         return raw if len(dims) == 1 else raw.view(dims)
 
+    def trim(self, keep_bytes: int | str = 0) -> int:
+        """Returns wholly free slabs to the system, the latest first, while more than ``keep_bytes``
+        are reserved (slabs holding a live block stay). Returns the bytes released."""
+        return self._arena.trim(parse_bytes(keep_bytes, "keep_bytes"))
+
     def stats(self) -> dict:
         """Counters: reserved / used bytes, slabs, cap, fallbacks, live bytes per tag."""
         return self._arena.stats()

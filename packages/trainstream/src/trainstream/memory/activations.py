@@ -83,6 +83,7 @@ class ActivationPolicy:
         self.reserved_link_bytes = reserved_link_bytes
         self._headroom = options.vram_headroom
         self.tuner: ActivationTuner | None = None
+        self._pool_trimmed = False  # 'auto': the page pool is cut to the settled setting once
         self._recompute: dict[int, Recompute] = {}
         self.offloader = None
         self._config, self._use_cache = getattr(model, "config", None), None
@@ -255,6 +256,13 @@ class ActivationPolicy:
         expected = 0
         if self.tuner is not None and self.tuner.measured is not None:
             expected = len(self.offloaded) * self.tuner.measured.block_bytes  # the next step's setting
+        if self.tuner is not None and self.tuner.settled and not self._pool_trimmed:
+            self._pool_trimmed = True
+            released = self.offloader.shrink_pool(expected)
+            if released:
+                self._events.add("activations", f"released {released / 2**30:.2f} GiB of page-locked memory the "
+                                                f"settled setting does not page into")
+            return
         try:
             grown = self.offloader.grow_pool(expected)
         except MemoryError as error:

@@ -85,7 +85,8 @@ class ActivationOffloader:
         self._lock = threading.Lock()
         self._own: set[int] = set()  # storages of parameters and buffers: never paged
         self._handles, self._hooks, self._active = [], [], []
-        self.counters = {"pages": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0, "pool_grown": 0}
+        self.counters = {"pages": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0, "pool_grown": 0,
+                         "pool_released": 0}
         self._live_bytes = 0  # host bytes held by pages (and retired blocks not yet freed)
         self.peak_live_bytes = 0  # the most held at once since the last grow_pool()
         self.block_bytes = [0] * len(self.blocks)  # bytes paged per block in the last forward
@@ -277,16 +278,33 @@ class ActivationOffloader:
         once (or ``expected``, when more), so the next steps carve pages from the arena instead of
         page-locking (and, on release, synchronizing for) each one on its own. Returns the bytes
         added (0 when the pool sufficed)."""
+        needed = max(self.peak_live_bytes, expected)
+        self.peak_live_bytes = self._live_bytes
+        if needed == 0:
+            return 0  # nothing pages: no pool (its margin alone would page-lock 4 MiB each step)
         stats = self.arena.stats()
         free = stats["arena_bytes"] - stats["arena_used"]
-        want = int(max(self.peak_live_bytes, expected) * 1.05) + (4 << 20)
-        self.peak_live_bytes = self._live_bytes
+        want = int(needed * 1.05) + (4 << 20)
         if want <= free:
             return 0
         before = stats["arena_bytes"]
         after = self.arena.reserve(before + want - free)
         self.counters["pool_grown"] += after - before
         return after - before
+
+    def shrink_pool(self, expected: int = 0) -> int:
+        """Once a setting is final: returns to the system the wholly free slabs beyond what pages of
+        ``expected`` bytes need (a paging trial that lost grew the pool for nothing). Waits for the
+        copies in flight first, so their pages are free. Returns the bytes released."""
+        self.synchronize()
+        self.peak_live_bytes = self._live_bytes  # the trials' peaks no longer size the pool
+        stats = self.arena.stats()
+        want = int(expected * 1.05) + (4 << 20) if expected else 0
+        if stats["arena_bytes"] - stats["arena_used"] <= want:
+            return 0
+        released = self.arena.trim(keep_bytes=stats["arena_used"] + want)
+        self.counters["pool_released"] += released
+        return released
 
     def stats(self) -> dict:
         """Cumulative pages, bytes each way and prefetched blocks; host bytes held by pages now."""
