@@ -107,6 +107,25 @@ def test_block_size_and_modules_to_not_convert(llama_dir):
         elif isinstance(module, QuantLinear):
             assert module.qweight.block_size == 32
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 12
+    # Whole dotted parts of a name: a block, or one attention; a name matching nothing is a warning.
+    with pytest.warns(UserWarning, match=r"\['lm_head'\] match no linear layer of the blocks"):
+        model = _load(llama_dir, quantization_config=TrainStreamQuantConfig(
+            "nf4", modules_to_not_convert=["layers.0", "model.layers.1.self_attn", "lm_head"]))
+    kept = sorted(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+    assert len(kept) == 7 + 4 + 1 and all(n.startswith(("model.layers.0.", "model.layers.1.self_attn.", "lm_head"))
+                                          for n in kept)
+
+
+def test_a_block_weight_missing_from_the_checkpoint_is_initialized_then_quantized(llama_dir, tmp_path):
+    import safetensors.torch
+
+    shutil_copy(llama_dir, tmp_path)
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    safetensors.torch.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = _load(str(tmp_path), quantization_config=TrainStreamQuantConfig("nf4"))
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
+    assert torch.isfinite(_logits(model)).all()
 
 
 def test_config_is_validated_and_round_trips_as_a_dict(llama_dir):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -52,8 +53,8 @@ class TrainStreamQuantConfig(QuantizationConfigMixin):
     ``format`` (``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"``) while the checkpoint loads.
 
     ``block_size``: values per scale (the format's default when None; int8/NF4 take any even size).
-    ``modules_to_not_convert``: module names (or name suffixes, e.g. ``"down_proj"``) kept in full
-    precision. Only the repeated blocks are quantized (``trainstream.find_blocks``): embeddings and the
+    ``modules_to_not_convert``: modules kept in full precision, by whole dotted parts of their names
+    (``"down_proj"``, ``"layers.0"``). Only the repeated blocks are quantized (``trainstream.find_blocks``): embeddings and the
     output layer never are. Freeze nothing beforehand: the quantized weights are frozen by nature;
     add LoRA adapters (PEFT) to train. Needs transformers >= 5.
     """
@@ -86,8 +87,9 @@ class TrainStreamQuantConfig(QuantizationConfigMixin):
 
 
 def _kept(name: str, keep: list[str]) -> bool:
-    """Whether module ``name`` matches one of ``modules_to_not_convert`` (the name or a dotted suffix)."""
-    return any(name == k or name.endswith("." + k) for k in keep)
+    """Whether module ``name`` matches one of ``modules_to_not_convert``: whole dotted parts of it
+    (``"down_proj"``, ``"layers.0"``, ``"model.layers.3.self_attn"``)."""
+    return any(f".{k}." in f".{name}." for k in keep)
 
 
 class _QuantizeOnLoad(ConversionOps):
@@ -145,8 +147,14 @@ class TrainStreamHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         # The model is on the meta device here: find the block linears by structure, as wrap() does.
         keep = self.quantization_config.modules_to_not_convert
-        self.targets = {name: where for name, where in _block_linears(model).items()
-                        if not _kept(name.removesuffix(".weight"), keep)}
+        found = _block_linears(model)
+        self.targets = {name: where for name, where in found.items() if not _kept(name.removesuffix(".weight"), keep)}
+        unused = [k for k in keep if not any(_kept(name.removesuffix(".weight"), [k]) for name in found)]
+        if unused:
+            warnings.warn(f"TrainStreamQuantConfig: modules_to_not_convert {unused} match no linear layer of the "
+                          f"blocks (only those are quantized; names look like "
+                          f"{next(iter(found), 'model.layers.0.mlp.down_proj.weight').removesuffix('.weight')!r})",
+                          stacklevel=2)
         model.trainstream_quantize = self.quantization_config.format  # as load_model records it
         return model
 
@@ -154,6 +162,13 @@ class TrainStreamHfQuantizer(HfQuantizer):
         return _QuantizeOnLoad(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        # A block weight the checkpoint lacked was initialized by transformers (which warned about the
+        # missing key): quantized now, so the model is what wrap(quantize=...) would make of it.
+        config = self.quantization_config
+        for parent, attr in self.targets.values():
+            linear = getattr(parent, attr)
+            if type(linear) is torch.nn.Linear and linear.weight.device.type != "meta":
+                setattr(parent, attr, _quantized_layer(linear, linear.weight.detach(), config.format, config.block_size))
         count, (before, after) = len(self.targets), self.sizes
         _log.info("quantized %d linear weights of the blocks to %s while loading: %.3f GiB -> %.3f GiB", count,
                   self.quantization_config.format, before / 2**30, after / 2**30)
