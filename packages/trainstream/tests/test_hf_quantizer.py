@@ -321,3 +321,22 @@ def test_loading_onto_the_gpu_quantizes_there_below_the_bf16_size(llama_dir, tmp
     ids = torch.randint(0, 256, (2, 16), device="cuda")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.cuda
+def test_lora_on_a_gpu_quantized_load_trains(llama_dir):
+    model = _lora(_load(llama_dir, quantization_config=TrainStreamQuantConfig("nf4"), device_map="cuda"))
+    model, optimizer = wrap_hf(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    try:
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+        losses = []
+        for _ in range(3):
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+    finally:
+        trainstream.unwrap(model)
