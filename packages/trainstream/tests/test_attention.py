@@ -567,3 +567,23 @@ def test_reduced_check_keeps_the_head_groups():
     small = _measure._reduced(SdpaCall(q, k, k, attn_mask=mask, enable_gqa=True), max_heads=2)
     assert small.query.shape == (1, 10, 4, 8) and small.key.shape == (1, 2, 4, 8)
     assert small.attn_mask.shape == (1, 10, 4, 4)
+
+
+def test_attention_bench_smoke(tmp_path):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[3] / "tools" / "bench" / "attention_choice.py"
+    out = tmp_path / "attention.json"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--shapes", "1x32", "--modes", "default", "auto",
+                           "flash", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["scenario"], r["mode"]) for r in results] == [(s, m) for s in ("full", "lora")
+                                                             for m in ("default", "auto", "flash")]
+    assert all(r["outcome"] == "ok" and r["median_s"] > 0 for r in results)
+    auto = [r["attention"] for r in results if r["mode"] == "auto"]
+    assert all(a["backend"] in ("flash", "math") and a["timings_ms"] for a in auto)
+    assert "| full | 1x32 |" in done.stdout and "default / auto" in done.stdout

@@ -37,12 +37,21 @@ _SWITCHES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTE
              "overrideable": SDPBackend.OVERRIDEABLE}
 
 
-def _switches():
+def _switches() -> tuple:
+    found = []
     for name, backend in _SWITCHES.items():
         getter = getattr(torch._C, f"_get_{name}_sdp_enabled", None)
         setter = getattr(torch._C, f"_set_sdp_use_{name}", None)
         if getter is not None and setter is not None:  # a torch without the overrideable backend
-            yield backend, getter, setter
+            found.append((backend, getter, setter))
+    return tuple(found)
+
+
+_SWITCH_FNS = _switches()
+
+
+def _order() -> tuple[int, ...]:
+    return tuple(torch._C._get_sdp_priority_order())  # a list of ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +63,28 @@ class SdpaState:
 
     @classmethod
     def current(cls) -> SdpaState:
-        enabled = frozenset(backend for backend, getter, _ in _switches() if getter())
-        return cls(enabled, tuple(int(i) for i in torch._C._get_sdp_priority_order()))
+        return cls(frozenset([backend for backend, getter, _ in _SWITCH_FNS if getter()]), _order())
 
     def apply(self) -> None:
-        for backend, getter, setter in _switches():
-            want = backend in self.enabled
-            if getter() != want:
-                setter(want)
-        if tuple(int(i) for i in torch._C._get_sdp_priority_order()) != self.priority:
+        for backend, _, setter in _SWITCH_FNS:
+            setter(backend in self.enabled)
+        if _order() != self.priority:
             torch._C._set_sdp_priority_order(list(self.priority))
 
     def pinned(self, backends: list[SDPBackend]) -> SdpaState:
         """This state with only ``backends`` enabled, first in the order, in their order."""
-        first = [int(b) for b in backends]
-        return SdpaState(frozenset(backends), tuple(first + [i for i in self.priority if i not in first]))
+        key = (self, tuple(backends))
+        state = _PINNED.get(key)
+        if state is None:
+            first = [int(b) for b in backends]
+            state = SdpaState(frozenset(backends), tuple(first + [i for i in self.priority if i not in first]))
+            if len(_PINNED) > 256:
+                _PINNED.clear()
+            _PINNED[key] = state
+        return state
+
+
+_PINNED: dict[tuple, SdpaState] = {}
 
 
 class _Stack:
@@ -92,14 +108,14 @@ def initialize_order(device: torch.device | str | None = None) -> None:
         if _STACK.initialized:
             return
         _STACK.initialized = True
-        before = tuple(int(i) for i in torch._C._get_sdp_priority_order())
+        before = _order()
         applied = SdpaState.current()
         try:
             q = torch.zeros(1, 1, 1, 8, device=device, dtype=torch.float16)
             torch._fused_sdp_choice(q, q, q)
         except Exception:  # no viable backend under the caller's switches: the order is set all the same
             pass
-        after = tuple(int(i) for i in torch._C._get_sdp_priority_order())
+        after = _order()
         if after != before and _STACK.pins:  # pins held: keep them applied, and restore torch's new default
             _STACK.saved = dataclasses.replace(_STACK.saved, priority=after)
             applied.apply()
