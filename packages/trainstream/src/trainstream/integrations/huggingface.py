@@ -1,5 +1,6 @@
-"""Hugging Face integration: TrainStreamTrainer, TrainStreamMixin, TrainStreamCallback, wrap_hf, decoder_layers and
-per-sequence log-probs of a causal LM.
+"""Hugging Face integration: TrainStreamTrainer, TrainStreamMixin, TrainStreamCallback, wrap_hf, decoder_layers,
+per-sequence log-probs of a causal LM, and quantize-while-loading (TrainStreamQuantConfig for
+``from_pretrained``, or the lower-level load_model).
 
 Needs ``transformers`` (``pip install 'trainstream[hf]'``). The losses here run the decoder for its
 last hidden states and apply the output projection chunk by chunk, so the [tokens, vocab] logits
@@ -26,8 +27,8 @@ from .hf_loading import load_model
 from .hf_quantizer import TrainStreamQuantConfig  # registers the quantizer with transformers
 from .kvcache import TrainStreamCache  # imports ts-kvcache when first used
 
-__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamMixin", "TrainStreamQuantConfig", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_and_head",
-           "decoder_layers", "load_model", "reference_logprobs", "wrap_hf"]
+__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamMixin", "TrainStreamQuantConfig", "TrainStreamTrainer",
+           "causal_lm_logprobs", "decoder_and_head", "decoder_layers", "load_model", "reference_logprobs", "wrap_hf"]
 
 # Config fields that change logits after the projection: the chunked loss cannot reproduce them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
