@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 GLOBAL = 12  # samples per micro-batch of the global batch: divisible by 1, 2 and 3 ranks
 STEPS = 5
 SAVE_AT = 3
+_DEVICE = "cpu"  # where the ranks' models live (set per rank by _worker)
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -47,9 +48,10 @@ def train_steps(model, optimizer, steps, rank: int, world: int, accumulation: in
                 clip: float | None = None, on_step=None) -> None:
     """`steps` optimizer steps on this rank's share of the global batches. `clip`: torch's clipping
     (for a stock optimizer); a wrapped one clips itself."""
+    device = next(model.parameters()).device
     for step in range(start, steps):
         for micro in range(accumulation):
-            x, y = local_batch(step, micro, rank, world)
+            x, y = (t.to(device) for t in local_batch(step, micro, rank, world))
             loss = torch.nn.functional.mse_loss(model(x), y) / accumulation
             loss.backward()
         if clip is not None:
@@ -61,15 +63,16 @@ def train_steps(model, optimizer, steps, rank: int, world: int, accumulation: in
 
 
 def weights(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 # ---- scenarios (run on every rank) ------------------------------------------------------------
 
 def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None):
     import trainstream
+    import trainstream.distributed
 
-    model = make_model(seed=rank)  # rank 0's weights reach every rank at wrap()
+    model = make_model(seed=rank).to(_DEVICE)  # rank 0's weights reach every rank at wrap()
     model, optimizer = trainstream.wrap(model, make_optimizer(model), max_grad_norm=clip,
                                         accumulation_steps=accumulation, threads=1)
     start = 0
@@ -140,13 +143,19 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, out: str, scenarios: list[str], timeout: float) -> None:
+def _worker(rank: int, world: int, port: int, out: str, scenarios: list[str], timeout: float, backend: str,
+            device: str) -> None:
+    global _DEVICE
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import trainstream.distributed as tsd
 
     tsd.DEFAULT_TIMEOUT_S = timeout
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # NCCL: one GPU per rank; gloo with device="cuda": every rank on the one GPU (host collectives).
+    _DEVICE = f"cuda:{rank}" if backend == "nccl" else device
+    if _DEVICE.startswith("cuda"):
+        torch.cuda.set_device(torch.device(_DEVICE))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     out = pathlib.Path(out)
     results = {}
     for name in scenarios:
@@ -166,11 +175,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, scenarios: list[str], out: pathlib.Path, limit: float = 120.0,
-              timeout: float = 10.0) -> list[dict]:
-    """Runs `scenarios` on `world` spawned gloo ranks; each rank's results (killed after `limit` s)."""
-    ctx = mp.start_processes(_worker, args=(world, free_port(), str(out), scenarios, timeout), nprocs=world,
-                             join=False, start_method="spawn")
+def run_ranks(world: int, scenarios: list[str], out: pathlib.Path, limit: float = 120.0, timeout: float = 10.0,
+              backend: str = "gloo", device: str = "cpu") -> list[dict]:
+    """Runs `scenarios` on `world` spawned ranks; each rank's results (killed after `limit` s)."""
+    ctx = mp.start_processes(_worker, args=(world, free_port(), str(out), scenarios, timeout, backend, device),
+                             nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + limit
     try:
         while not ctx.join(timeout=0.5):

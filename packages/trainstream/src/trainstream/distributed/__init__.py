@@ -23,7 +23,9 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "Bucket", "Comm", "DataP
            "report", "setup"]
 
 DEFAULT_TIMEOUT_S = 600.0  # each collective's wait; a rank that died or stalled raises after this
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket
+# Bytes per bucket: NCCL as DDP's default; gloo on the CPU measured fastest at 2-4 MiB (8.4 M fp32 values
+# reduced between 2 ranks on 2 cores: 35 ms in 4 MiB buckets, 53 ms in 8 MiB, 100 ms in one piece).
+DEFAULT_BUCKET_BYTES = {"nccl": 25 * 2**20, "gloo": 4 * 2**20}
 
 
 def active_world(group=None) -> int:
@@ -64,7 +66,9 @@ def setup(slots: list, device: torch.device, events, *, enabled: bool | None = N
     # Frozen parameters get owners too, in case they are unfrozen later.
     for s, owner in zip(frozen, assign_owners([s.numel * s.param.element_size() for s in frozen], comm.world, loads)):
         owners[s.index] = owner
-    dp = DataParallel(comm, slots, owners, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+    if bucket_bytes is None:
+        bucket_bytes = DEFAULT_BUCKET_BYTES.get(comm.backend, DEFAULT_BUCKET_BYTES["gloo"])
+    dp = DataParallel(comm, slots, owners, bucket_bytes)
     dp.share_weights(trained, source=0)
     mine = [s for s in trained if s.owned]
     share = sum(s.numel for s in mine) / max(1, sum(s.numel for s in trained))

@@ -1,0 +1,45 @@
+"""Data parallel with the model on CUDA: two gloo ranks sharing one GPU (host collectives, the CUDA
+engine's copy streams), and two NCCL ranks on two GPUs (device buckets); both must train like one
+process on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_testing import STEPS, make_model, make_optimizer, run_ranks, train_steps, weights
+
+TOL = 1e-6
+TRAINING = ["plain", "clip", "accumulate", "accumulate_clip"]
+OPTIONS = {"plain": {}, "clip": {"clip": 0.05}, "accumulate": {"accumulation": 2},
+           "accumulate_clip": {"clip": 0.05, "accumulation": 2}}
+
+
+def _reference(clip=None, accumulation=1) -> dict:
+    model = make_model().cuda()
+    train_steps(model, make_optimizer(model), STEPS, 0, 1, accumulation, clip=clip)
+    return weights(model)
+
+
+def _check(runs, world):
+    for scenario in TRAINING:
+        reference = _reference(**OPTIONS[scenario])
+        for rank in range(world):
+            result = runs[rank][scenario]
+            assert "failed" not in result, result.get("failed")
+            diff = max(float((result["weights"][k] - reference[k]).abs().max()) for k in reference)
+            assert diff <= TOL, (scenario, rank, diff)
+        state = [runs[r]["plain"]["optimizer"]["placements"]["host"]["state_bytes"] for r in range(world)]
+        assert all(s > 0 for s in state)
+
+
+@pytest.mark.cuda
+def test_two_gloo_ranks_on_one_gpu_train_like_one_process(tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check(run_ranks(2, TRAINING, tmp_path, limit=300, timeout=60, device="cuda"), 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.multigpu
+def test_two_nccl_ranks_on_two_gpus_train_like_one_process(tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check(run_ranks(2, TRAINING, tmp_path, limit=300, timeout=60, backend="nccl"), 2)
