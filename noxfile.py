@@ -26,7 +26,7 @@ nox.options.reuse_existing_virtualenvs = True
 # Install order: a package's ts-* dependencies come before it.
 PACKAGES = ["ts-pinned", "ts-adamw", "ts-quant", "ts-kvcache", "ts-peer", "ts-planner", "trainstream"]
 PACKAGES = [p for p in PACKAGES if (ROOT / "packages" / p / "pyproject.toml").exists()]
-DEPENDS = {"trainstream": ["ts-pinned", "ts-adamw", "ts-quant", "ts-planner", "ts-kvcache"], "ts-kvcache": ["ts-pinned"]}
+DEPENDS = {"trainstream": ["ts-pinned", "ts-adamw", "ts-quant", "ts-planner", "ts-kvcache", "ts-peer"], "ts-kvcache": ["ts-pinned"]}
 
 # torch 2.13.0 CPU is on the CI machines' disk; a bare `torch` would pull a 5.5 GB CUDA build.
 TORCH = os.environ.get("TS_TORCH_SPEC", "torch==2.13.0")

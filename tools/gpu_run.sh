@@ -39,7 +39,7 @@ for p in $order; do
   [ -f "packages/$p/pyproject.toml" ] || continue
   case " $wanted " in *" $p "*) install+=("packages/$p") ;; esac
   # trainstream needs its dependencies installed too
-  if [[ " $wanted " == *" trainstream "* && " ts-pinned ts-adamw ts-quant ts-planner ts-kvcache " == *" $p "* ]]; then
+  if [[ " $wanted " == *" trainstream "* && " ts-pinned ts-adamw ts-quant ts-planner ts-kvcache ts-peer " == *" $p "* ]]; then
     [[ " ${install[*]} " == *" packages/$p "* ]] || install+=("packages/$p")
   fi
 done

@@ -17,9 +17,9 @@ import re
 import sys
 
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "api.md"
-# ts-kvcache and ts-peer join this list when they are installed with their public names.
+# Every package whose public names docs/api.md lists.
 MODULES = ("trainstream", "trainstream.integrations.huggingface", "trainstream.integrations.trl", "ts_pinned", "ts_adamw",
-           "ts_quant", "ts_planner", "ts_kvcache")
+           "ts_quant", "ts_planner", "ts_kvcache", "ts_peer")
 # Members the reference documents by name: their rows must exist.
 REQUIRED_MEMBERS = {
     "trainstream": ("TrainStreamSession.adapting", "TrainStreamSession.events", "TrainStreamSession.config",

@@ -220,3 +220,11 @@ def test_trim_keeps_a_slab_whose_only_free_range_starts_at_zero():
     assert arena.stats()["arena_bytes"] == 64 << 10
     assert bool((last == 7).all())
     arena.check_invariants()
+
+
+def test_is_pinned_names_arena_blocks_only():
+    arena = ts_pinned.PinnedArena(slab_bytes=64 << 10)
+    t = arena.empty(4096, torch.uint8)
+    assert arena.is_pinned(t) == arena.stats()["pinned"]
+    assert arena.is_pinned(t[100:]) == arena.stats()["pinned"]  # a view: its block is found by storage
+    assert not arena.is_pinned(torch.empty(4096, dtype=torch.uint8))

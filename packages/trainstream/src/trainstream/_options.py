@@ -11,6 +11,7 @@ import ts_adamw
 
 from .attention import check_attention_mode
 from .memory.activations import check_block_choice, check_param_offload
+from .memory.peer import check_peer_option
 from .memory.quantize import check_quantize
 
 __all__ = ["WrapOptions", "parse_options"]
@@ -49,6 +50,7 @@ class WrapOptions:
     blocks: Any = None
     attention: Any = "default"  # "auto" once its GPU test passes (README)
     param_offload: Any = False
+    peer: Any = "auto"
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -103,6 +105,7 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     opts.device = _device(opts.device)
     opts.attention = check_attention_mode(opts.attention)
     opts.param_offload = check_param_offload(opts.param_offload)
+    opts.peer = check_peer_option(opts.peer)
     opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
     opts.recompute = check_block_choice("recompute", opts.recompute)
     opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)

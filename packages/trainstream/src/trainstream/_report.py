@@ -67,7 +67,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         stats = session.weights.stats()
         steps = max(session.steps, 1)
         report["params"].update({"paged_blocks": stats["streamed_blocks"], "host_bytes": stats["host_bytes"],
-                                 "load_bytes": stats["h2d_bytes"] / steps, "streaming": stats})
+                                 "load_bytes": stats["h2d_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
+                                 "peer_bytes": stats.get("peer_bytes", 0), "streaming": stats})
     if session.attention is not None:
         report["attention"] = session.attention.report()
     report["plan"] = getattr(session, "plan", None)  # the plan made at wrap() (memory/plan.py: WrapPlan.to_dict)

@@ -15,6 +15,7 @@ from .attention import AttentionChooser
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
+from .memory import peer
 from .memory.activations import ActivationPolicy
 from .memory.plan import GiB, device_state_bytes, plan_host_memory, vram_budget
 
@@ -47,7 +48,7 @@ class TrainStreamSession:
 
     ``.events`` is the decision log, ``.config`` the options in effect, ``.steps``
     the optimizer steps so far, ``.adapting`` True until the placement is final, ``.attention``
-    the attention chooser, ``.peer`` the peer-GPU pools (None until ts-peer).
+    the attention chooser, ``.peer`` the peer-GPU pool (ts-peer) once set up at step 10, else None.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device, *,
@@ -59,7 +60,7 @@ class TrainStreamSession:
         self.events = EventLog(verbose=options.verbose)
         self.steps = 0
         self.adapting = False
-        self.peer = None  # peer-GPU pools arrive with ts-peer
+        self.peer = None  # the ts-peer pool the streamed weights come from, once set up (memory/peer.py)
         self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
         self.engine = None
         self.guard = None
@@ -188,6 +189,9 @@ class TrainStreamSession:
         self.engine.step()
         self.activations.sweep()
         self.steps += 1
+        if self.steps == peer.SETUP_STEP:
+            self.peer = peer.setup_peer(self.weights, self.config.peer, self.device, self.config.vram_headroom,
+                                        self.events)
         if self.adapting and settled:
             self._adapt()
 
@@ -244,6 +248,7 @@ class TrainStreamSession:
     def _remove_weights(self) -> None:
         """The streamed weights become ordinary tensors: on the device when they fit, else on the host."""
         weights, self.weights = self.weights, None
+        self.peer = None  # weights.remove() closes it (collective: every rank unwraps)
         fits = _weights_fit(weights, self.device)
         weights.remove(to_device=fits)
         if not fits:

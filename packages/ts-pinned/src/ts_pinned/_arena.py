@@ -106,6 +106,11 @@ class PinnedArena:
             raw = raw.view(dtype)
         return raw if len(dims) == 1 else raw.view(dims)
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (from this arena's ``empty``) is page-locked; False for a pageable
+        fallback or memory the arena did not hand out."""
+        return bool(_core.block_is_pinned(self._arena, tensor.untyped_storage().data_ptr()))
+
     def trim(self, keep_bytes: int | str = 0) -> int:
         """Returns wholly free slabs to the system, the latest first, while more than ``keep_bytes``
         are reserved (slabs holding a live block stay). Returns the bytes released."""

@@ -39,7 +39,7 @@ import ts_pinned
 from ..engine.channel import channel_for
 from ..engine.hooks import EngineHook
 
-__all__ = ["WeightStreamer", "frozen_params_of"]
+__all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of"]
 
 
 def _tensors(value, depth: int = 0):
@@ -73,8 +73,52 @@ def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str,
     return out
 
 
+class HostSource:
+    """A block's bytes from host memory: a page-locked buffer in one async copy, a pageable one
+    (beyond the page-lock budget) through ts-pinned's staging ring, which all cores fill while the
+    previous slot crosses the link (a plain pageable copy reaches a sixth of the link's rate)."""
+
+    kind = "host"
+
+    def __init__(self):
+        self.bounce_bytes = 0
+
+    def copy(self, index: int, host: torch.Tensor, pinned: bool, dst: torch.Tensor, stream) -> None:
+        if stream is None:  # CPU training: a memory copy
+            dst.copy_(host)
+        elif pinned:
+            dst.copy_(host, non_blocking=True)
+        else:
+            ts_pinned.copy_to_device(host, dst, stream)
+            self.bounce_bytes += host.numel()
+
+    def stats(self) -> dict:
+        return {"bounce_bytes": self.bounce_bytes}
+
+
+class PeerSource:
+    """Blocks held in the peer-GPU pools (ts-peer) are copied from their owner GPU; the others
+    come from ``fallback`` (the host)."""
+
+    kind = "peer"
+
+    def __init__(self, pool, fallback: HostSource):
+        self.pool, self.fallback = pool, fallback
+
+    def copy(self, index: int, host: torch.Tensor, pinned: bool, dst: torch.Tensor, stream) -> None:
+        if index in self.pool:
+            self.pool.copy_block(index, dst, stream)
+        else:
+            self.fallback.copy(index, host, pinned, dst, stream)
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        return {**self.fallback.stats(), "peer_bytes": pool["peer_bytes"], "peer_blocks": pool["blocks"],
+                "peer_owned_bytes": pool["pool_bytes"]}
+
+
 class _Block:
-    __slots__ = ("device", "host", "index", "nbytes", "offsets", "params", "ready", "used")
+    __slots__ = ("device", "host", "index", "nbytes", "offsets", "params", "pinned", "ready", "used")
 
     def __init__(self, index: int, params):
         self.index = index
@@ -85,6 +129,7 @@ class _Block:
             offset += _align(p.numel() * p.element_size())
         self.nbytes = offset
         self.host = None  # flat uint8 host buffer
+        self.pinned = False  # whether `host` is page-locked (else it streams through the staging ring)
         self.device = None  # flat uint8 device buffer; storage size 0 when not resident
         self.ready = None  # event after its copy
         self.used = False  # handed to the compute stream since the fetch
@@ -118,6 +163,7 @@ class WeightStreamer:
         self._current: int | None = None
         self._handles, self._hooks = [], []
         self.peak_resident = 0
+        self.source: HostSource | PeerSource = HostSource()  # where fetched bytes come from
         self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0}
 
     # ---- setting up -----------------------------------------------------------------
@@ -149,6 +195,7 @@ class WeightStreamer:
         for b in self.streamed.values():
             b.device = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
             b.device.untyped_storage().resize_(0)
+            b.pinned = self.channel.is_cuda and self.arena.is_pinned(b.host)
         for module, index in self._modules.values():
             hooks = [EngineHook(self._before_forward(index)), EngineHook(self._after_forward(index))]
             self._hooks += hooks
@@ -216,12 +263,12 @@ class WeightStreamer:
             h2d = self.channel.h2d
             with torch.cuda.device(self.device), torch.cuda.stream(h2d):
                 b.device.untyped_storage().resize_(b.nbytes)
-                b.device.copy_(b.host, non_blocking=True)
+                self.source.copy(index, b.host, b.pinned, b.device, h2d)
                 b.ready = torch.cuda.Event()
                 b.ready.record(h2d)
         else:
             b.device.untyped_storage().resize_(b.nbytes)
-            b.device.copy_(b.host)
+            self.source.copy(index, b.host, False, b.device, None)
             b.ready = None
         b.used = False
         self._point(b, device=True)
@@ -254,6 +301,28 @@ class WeightStreamer:
                 event.synchronize()
                 self.counters["host_waits"] += 1
 
+    # ---- peer pools --------------------------------------------------------------------------
+
+    def host_blocks(self) -> dict[int, torch.Tensor]:
+        """{block index: its host buffer}: what a peer pool places (the same on every rank)."""
+        return {i: b.host for i, b in self.streamed.items()}
+
+    def use_peer(self, pool) -> None:
+        """From now on, blocks in `pool` come from their owner GPU (between steps)."""
+        fallback = self.source.fallback if isinstance(self.source, PeerSource) else self.source
+        self.source = PeerSource(pool, fallback)
+
+    def close_peer(self) -> None:
+        """Collective when a pool is in use: every rank must call it (unwrap)."""
+        if isinstance(self.source, PeerSource):
+            self.synchronize_device()
+            pool, self.source = self.source.pool, self.source.fallback
+            pool.close()
+
+    def synchronize_device(self) -> None:
+        if self.channel.is_cuda:
+            torch.cuda.synchronize(self.device)
+
     def evict_all(self) -> None:
         for index in list(self._lru):
             self._evict(index)
@@ -285,6 +354,7 @@ class WeightStreamer:
             hook.disable()
         self._handles, self._hooks = [], []
         self.evict_all()
+        self.close_peer()
         for b in self.streamed.values():
             for (_m, _n, p), offset in zip(b.params, b.offsets):
                 if b.host is None:
@@ -296,6 +366,7 @@ class WeightStreamer:
 
     def stats(self) -> dict:
         resident = sum(self.streamed[i].nbytes for i in self._lru)
-        return {**self.counters, "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
+        return {**self.counters, **self.source.stats(), "source": self.source.kind,
+                "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
                 "resident_blocks": len(self._lru), "peak_resident_blocks": self.peak_resident,
                 "device_bytes": resident}

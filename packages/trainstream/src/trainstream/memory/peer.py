@@ -1,0 +1,78 @@
+"""peer=: the frozen blocks every rank streams are pooled in the GPUs' VRAM (ts-peer) and copied
+GPU to GPU instead of from host memory.
+
+Set up collectively at step ``SETUP_STEP`` on every rank of the default process group (the VRAM
+each step leaves is known by then and the activation policy has settled), only when weights
+stream, the group has more than one rank and all of them are on this machine. Each rank gives
+its pool ``peer=`` bytes, or with ``"auto"`` half the room under the VRAM budget after the
+measured peak. Every outcome is an event; an unusable setup leaves host streaming as it was.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .plan import GiB, vram_budget
+
+__all__ = ["SETUP_STEP", "check_peer_option", "setup_peer"]
+
+SETUP_STEP = 10
+
+
+def check_peer_option(value):
+    if value is None or value is False or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    raise ValueError(f"peer={value!r} is not valid; use 'auto', False, None or bytes per GPU (an integer > 0)")
+
+
+def _why_not(streamer, option) -> str | None:
+    """None when a pool may be set up, else why not (for the event)."""
+    if option is None or option is False:
+        return ""  # off as asked: no event
+    if streamer is None:
+        return "peer pools hold streamed weights: none stream (param_offload=False)"
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return "peer pools need data parallel ranks (an initialized process group of 2 or more)"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if local != dist.get_world_size():
+        return (f"the group spans machines ({dist.get_world_size()} ranks, {local} on this one): peer pools over "
+                f"a local group are not built yet")
+    return None
+
+
+def _own_budget(option, streamer, device: torch.device, headroom: float) -> int:
+    if isinstance(option, int):
+        return option
+    if device.type != "cuda":
+        return streamer.host_bytes()  # the host backend (tests, CPU): room for every block
+    room = vram_budget(device, headroom) - torch.cuda.max_memory_allocated(device)
+    return max(0, room // 2)
+
+
+def setup_peer(streamer, option, device: torch.device, headroom: float, events):
+    """Collective (every rank, same step). Returns the pool in use, or None."""
+    why = _why_not(streamer, option)
+    if why is not None:
+        if why:
+            events.add("peer", f"peer={option!r}: off: {why}")
+        return None
+    import ts_peer
+
+    dist = torch.distributed
+    budgets = [None] * dist.get_world_size()
+    dist.all_gather_object(budgets, _own_budget(option, streamer, device, headroom))
+    backend = "cuda" if device.type == "cuda" else "host"
+    pool, reason = ts_peer.pool_blocks(streamer.host_blocks(), None, device=device, budgets=budgets,
+                                       backend=backend)
+    if pool is None:
+        events.add("peer", f"peer={option!r}: off: {reason}")
+        return None
+    streamer.use_peer(pool)
+    events.add("peer", f"peer={option!r}: {reason}; this rank's pool holds {pool.pool_bytes / GiB:.2f} GiB "
+                       f"({backend} backend)")
+    return pool
