@@ -437,7 +437,7 @@ def test_default_changes_nothing():
     assert not model._forward_hooks and not model._forward_pre_hooks
     _grads(model, torch.randn(2, 8, 32))
     assert chooser.report() == {"mode": "default", "backend": None, "timings_ms": {}, "chosen": {},
-                                "skipped": {}, "errors": {}, "failed": {}, "left_alone": None}
+                                "skipped": {}, "errors": {}, "failed": {}, "left_alone": None, "reused_shapes": 0}
     handle.remove()
 
 

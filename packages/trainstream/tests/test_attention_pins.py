@@ -205,3 +205,34 @@ def test_a_compiled_model_is_measured_and_pinned(mode):
     chooser, losses = _compiled_steps(whole=True, mode=mode)
     assert sdpa_settings() == before and chooser.report()["backend"] == "math"
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)  # no optimizer step: the same loss twice
+
+
+# ---- many shapes (dynamic padding) ---------------------------------------------------------------
+
+
+def test_shapes_past_the_budget_use_the_nearest_measured_choice():
+    measured = []
+
+    def timer(backend, run, device):  # flash wins the first measured shape, math the second
+        name = backend.name
+        measured.append(name)
+        return {"FLASH_ATTENTION": 1.0, "MATH": 2.0}[name] * (1 if len(measured) <= 2 else -1)
+
+    model = Attention()
+    chooser = AttentionChooser("auto", timer=timer, max_shapes=2)
+    chooser.install(model)
+    picked = []
+    for seq in (8, 16, 9, 15, 10, 8):
+        _grads(model, torch.randn(2, seq, 32))
+        picked.append(chooser.report()["backend"])
+    assert measured == ["FLASH_ATTENTION", "MATH"] * 2  # two shapes measured, the rest reused
+    assert picked == ["flash", "math", "flash", "math", "flash", "flash"]
+    report = chooser.report()
+    assert report["reused_shapes"] == 3 and len(report["timings_ms"]) == 2
+    assert sum("2 attention shapes measured" in e for e in chooser.events.lines()) == 1
+    # Another kind of call (here: another head count) is measured whatever the budget.
+    other = Attention(heads=2)
+    chooser = AttentionChooser("auto", timer=fake_timer({"flash": 1.0, "math": 2.0}), max_shapes=0)
+    chooser.install(other)
+    _grads(other, torch.randn(2, 8, 32))
+    assert len(chooser.report()["timings_ms"]) == 1 and chooser.report()["reused_shapes"] == 0

@@ -91,6 +91,25 @@ class SdpaCall:
                 self.dropout_p > 0, self.scale is None, bool(self.enable_gqa), tuple(sorted(self.extra)),
                 _autocast_state(q.device.type), determinism())
 
+    def family_of(self) -> tuple:
+        """The key without batch size, sequence lengths and strides: calls that differ only in how
+        many tokens they hold (dynamic padding) are one family."""
+        q, k, v, mask = self.query, self.key, self.value, self.attn_mask
+
+        def dims(t: torch.Tensor) -> tuple:
+            shape = list(t.shape)
+            return tuple(shape[1:-2] + shape[-1:])
+
+        return (dims(q), q.dtype, dims(k), k.dtype, dims(v), v.dtype, q.device,
+                None if mask is None else (mask.dtype, mask.dim()), bool(self.is_causal), self.dropout_p > 0,
+                self.scale is None, bool(self.enable_gqa), tuple(sorted(self.extra)),
+                _autocast_state(q.device.type), determinism())
+
+    def size_of(self) -> tuple[int, int, int]:
+        """(batch, query length, key length)."""
+        q = self.query
+        return (q.shape[0] if q.dim() >= 3 else 1, q.shape[-2], self.key.shape[-2])
+
     def label(self) -> str:
         """e.g. ``b1 h40/8 q2048 k2048 d128 bfloat16 causal cuda:0``."""
         q, k = self.query, self.key

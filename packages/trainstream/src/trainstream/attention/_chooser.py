@@ -193,17 +193,24 @@ class AttentionChooser:
     ``events``: an EventLog (or anything with ``add(kind, message)``). ``timer(backend, run,
     device) -> ms`` replaces the CUDA-event timer (tests). ``may_reset_peak()``: when it returns
     True, a measurement that raised the CUDA peak-memory counter resets it, so the measurement
-    does not count as the step's peak.
+    does not count as the step's peak. ``max_shapes``: after that many call shapes measured (or
+    checked), a new shape of a known family (the same call but for batch size and lengths: dynamic
+    padding) reuses the choice of the nearest measured length instead of measuring.
     """
 
     def __init__(self, mode="auto", *, events=None, timer: Timer | None = None, reps: int = 3,
-                 max_check_heads: int = 2, may_reset_peak: Callable[[], bool] | None = None):
+                 max_check_heads: int = 2, may_reset_peak: Callable[[], bool] | None = None,
+                 max_shapes: int = 16):
         self.mode = check_attention_mode(mode)
         self.events = events if events is not None else EventLog()
         self.timer = timer if timer is not None else default_timer(reps)
         self.max_check_heads = max_check_heads
         self.may_reset_peak = may_reset_peak
+        self.max_shapes = max_shapes
         self.left_alone: str | None = None
+        self._measured = 0
+        self._families: dict[tuple, list[tuple[tuple[int, int, int], Measurement]]] = {}
+        self._reused = 0
         self._known: dict[tuple, Measurement] = {}
         self._entries: dict[tuple, _Entry] = {}
         self._labels: dict[str, Measurement] = {}
@@ -339,13 +346,16 @@ class AttentionChooser:
             entry.complete = False
             return func(*args, **kwargs)
         result = self._known.get(key)
-        if result is None:
-            if self.mode != "auto":
-                result = self._guarded(self._check_named, call)
-            elif call.needs_grad:
-                result = self._guarded(self._measure, call)
-            else:
-                entry.complete = False
+        wanted = result is None and (self.mode != "auto" or call.needs_grad)
+        if wanted and self._measured >= self.max_shapes:
+            result = self._nearest(call)  # None for a new family: measured all the same
+        if wanted and result is None:
+            result = self._guarded(self._check_named if self.mode != "auto" else self._measure, call)
+            self._measured += 1
+            if result.failed is None:
+                self._families.setdefault(call.family_of(), []).append((call.size_of(), result))
+        elif result is None:
+            entry.complete = False
         if result is not None:
             self._known[key] = result
             entry.keys.setdefault(key, result)
@@ -356,6 +366,21 @@ class AttentionChooser:
         entry.used.add(name_of(entry.pin[0]))
         with Pin(entry.pin, entry.device_type):
             return func(*args, **kwargs)
+
+    def _nearest(self, call: SdpaCall) -> Measurement | None:
+        """The measurement of the same family nearest in lengths (then batch), or None (measure)."""
+        measured = self._families.get(call.family_of())
+        if not measured:
+            return None
+        batch, q_len, k_len = call.size_of()
+        _, result = min(measured, key=lambda m: (abs(m[0][1] - q_len) + abs(m[0][2] - k_len), abs(m[0][0] - batch)))
+        self._reused += 1
+        if self._reused == 1:
+            self.events.add("attention", f"{self.mode}: {self.max_shapes} attention shapes measured; new shapes of a "
+                                         f"known kind use the choice made at the nearest length ({call.label()} -> "
+                                         f"{result.label}), the next ones without an event; "
+                                         f"memory_report()['attention']['reused_shapes'] counts them")
+        return result
 
     def _guarded(self, how, call: SdpaCall) -> Measurement:
         """Measuring must never break the forward: a failure leaves this shape to PyTorch's order."""
@@ -451,7 +476,8 @@ class AttentionChooser:
     def report(self) -> dict:
         """For ``memory_report(model)["attention"]``: ``mode``, ``backend`` (of the latest forward),
         ``timings_ms`` {shape: {backend: ms}}, ``chosen`` {shape: backend}, ``skipped`` {shape:
-        {backend: reason}}, ``errors`` (relative error against math in float32) and ``left_alone``."""
+        {backend: reason}}, ``errors`` (relative error against math in float32), ``left_alone`` and
+        ``reused_shapes`` (shapes past ``max_shapes`` that took the nearest measured choice)."""
         backend = self.mode if self.mode not in ("auto", "default") and not self.left_alone else self._last_backend
         return {
             "mode": self.mode,
@@ -462,4 +488,5 @@ class AttentionChooser:
             "errors": {label: dict(m.errors) for label, m in self._labels.items() if m.errors},
             "failed": {label: m.failed for label, m in self._labels.items() if m.failed},
             "left_alone": self.left_alone,
+            "reused_shapes": self._reused,
         }
