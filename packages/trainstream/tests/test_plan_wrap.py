@@ -157,6 +157,8 @@ def test_memory_report_has_the_plan_and_the_stalls_of_recent_steps():
     assert plan["moment_dtype"] == "float32" and plan["quantize"] is None
     assert plan["peak_vram_bytes"] == sum(v for k, v in plan["vram"].items() if k != "cuda_context")
     assert any(line.split(": ", 1)[-1] == plan["message"] for line in report["events"])
+    assert plan["target_vram"] == plan["budget"]["usable_vram_bytes"] and plan["settled"] is True
+    assert any(plan["message"] in line for line in plan["history"])
     stalls = report["stalls"]
     assert [s["step"] for s in stalls] == [1, 2, 3]
     for s in stalls:
@@ -178,6 +180,19 @@ def test_describe_model_reads_lora_and_plain_models():
     assert g.shape is None and g.mismatch
     model, _ = trainstream.wrap(plain)  # a model without a decoder shape: the state is checked alone
     assert trainstream.memory_report(model)["plan"]["model"].startswith("generic")
+    trainstream.unwrap(model)
+
+
+def test_a_model_without_a_decoder_shape_is_refused_on_its_weights_and_state(monkeypatch):
+    plain = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    weights = sum(p.numel() * 4 for p in plain.parameters())
+    patch_budget(monkeypatch, vram_bytes=weights)  # less the 10 % headroom: the weights do not fit
+    with pytest.raises(PlanRefused, match=r"of VRAM for its weights.*param_offload=True"):
+        trainstream.wrap(plain, vram_headroom=0.10)
+    patch_budget(monkeypatch, host_bytes=1 << 30)  # under the 2 GiB the process itself is counted at
+    with pytest.raises(PlanRefused, match=r"of host RAM for the optimizer state"):
+        trainstream.wrap(plain)
+    assert getattr(plain, "_trainstream_session", None) is None
 
 
 # ---- invariants (hypothesis) -------------------------------------------------------------------------

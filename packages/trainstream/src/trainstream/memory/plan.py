@@ -93,6 +93,7 @@ def vram_budget(device: torch.device, headroom: float) -> int:
 # does by default) and refuses only what cannot fit even at one token per step (the state alone).
 PLAN_BATCH, PLAN_SEQ = 1, 2048
 _NO_VRAM = 1 << 62  # the budget's VRAM on the CPU: nothing to check
+_RUNTIME = 2 << 30  # estimate_memory's runtime_host_bytes default
 _QUANT_ORDER = (None, "int8", "nf4")
 
 
@@ -182,15 +183,15 @@ def describe_model(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> Mod
 def wrap_budget(device: torch.device, opts, facts: ModelFacts) -> ts_planner.Budget:
     """This process's budget for the wrap() plan: VRAM from the device (its per-process fraction applied,
     less ``vram_headroom``); host RAM available now (cgroup-aware, split between LOCAL_WORLD_SIZE
-    processes) plus what the model itself holds there and will leave or keep as its host copies.
-    On the CPU no device memory is checked."""
+    processes), plus what the model holds there and will leave (or keep as its host copies) and the
+    process's own footprint, which the estimate counts. On the CPU no device memory is checked."""
     on_cuda = device.type == "cuda"
     budget = ts_planner.machine_budget(device if on_cuda else None, vram_bytes=None if on_cuda else _NO_VRAM,
                                        headroom=opts.vram_headroom)
-    if on_cuda and facts.cpu_bytes:
-        host = budget.host_bytes + facts.cpu_bytes
-        budget = dataclasses.replace(budget, host_bytes=host, pinned_bytes=int(host * 0.8))
-    return budget
+    leaving = facts.cpu_bytes if on_cuda else 0  # moves to the GPU, or is the streamed blocks' host copy
+    # The estimate counts the process's own footprint (RUNTIME), which the available RAM already excludes.
+    return dataclasses.replace(budget, host_bytes=budget.host_bytes + leaving + _RUNTIME,
+                               pinned_bytes=budget.pinned_bytes + int(leaving * 0.8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +274,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
-_NAMES = {"VRAM": "VRAM", "host RAM": "host RAM", "page-locked RAM": "page-lockable host RAM"}
+_NAMES = {"VRAM": "VRAM", "host RAM": "host RAM", "page-locked RAM": "page-locked host RAM"}
 
 
 def _refusal(what: str, state, facts: ModelFacts, budget, quantize, moment_dtype, streamed: int, args) -> str:
@@ -324,7 +325,7 @@ def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: i
                "budget": {"usable_vram_bytes": budget.usable_vram, "host_bytes": budget.host_bytes},
                "moment_dtype": "float32" if moment == 4 else "bfloat16"}
     short = []
-    if vram is not None and quantize in (None, "auto") and vram > budget.usable_vram:
+    if vram is not None and quantize is None and vram > budget.usable_vram:  # "auto": choose_quantize decides
         short.append(f"needs {vram / GiB:.1f} GiB of VRAM for its weights, {budget.usable_vram / GiB:.1f} available: "
                      f"use quantize='nf4' (frozen block weights) or param_offload=True")
     if host > budget.host_bytes:
