@@ -111,7 +111,7 @@ def initialize_order(device: torch.device | str | None = None) -> None:
         before = _order()
         applied = SdpaState.current()
         try:
-            q = torch.zeros(1, 1, 1, 8, device=device, dtype=torch.float16)
+            q = torch.empty(1, 1, 1, 8, device=device, dtype=torch.float16)  # no kernel (graph capture)
             torch._fused_sdp_choice(q, q, q)
         except Exception:  # no viable backend under the caller's switches: the order is set all the same
             pass
