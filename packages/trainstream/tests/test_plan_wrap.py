@@ -90,6 +90,9 @@ def test_lora_14b_bf16_without_quantization_in_24_gb_is_refused_naming_nf4_and_s
     assert "quantize='nf4'" in plan.message and "param_offload=True" in plan.message
     auto = plan_wrap(f, b, quantize="auto")
     assert auto.fits and auto.quantize in ("int8", "nf4")
+    tight = plan_wrap(f, budget(16, 200), quantize="auto")  # NF4's state fits, 2048 tokens do not
+    assert tight.fits and not tight.plan.fits and tight.quantize == "nf4"
+    assert "fewer tokens per step will, or at 2048 tokens param_offload=True with quantize=None" in tight.message
 
 
 def _snapshot(model, optimizer):

@@ -259,9 +259,13 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
                    f"{plan.host_bytes / GiB:.2f} GiB of "
                    f"{budget.host_bytes / GiB:.2f} GiB host RAM")
     else:
-        verdict = (f"{PLAN_BATCH} x {PLAN_SEQ} tokens do not fit ({plan.reason}); the state alone does "
+        e = plan.estimate
+        more = _fixes(facts, budget, plan.options, args, moment_dtype, streamed_blocks, seq=PLAN_SEQ)
+        short = ", ".join(f"{_NAMES[name]} {over / GiB:.2f} GiB short" for name, _, over in plan.overflow)
+        verdict = (f"{PLAN_BATCH} x {PLAN_SEQ} tokens do not fit even with every reduction the options allow "
+                   f"(peak {e.allocator_bytes / GiB:.2f} GiB, host {e.host_bytes / GiB:.2f} GiB: {short}); the state alone does "
                    f"({state.peak_vram_bytes / GiB:.2f} GiB VRAM, {state.host_bytes / GiB:.2f} GiB host RAM): "
-                   f"fewer tokens per step will")
+                   f"fewer tokens per step will" + (f", or at {PLAN_SEQ} tokens {' or '.join(more)}" if more else ""))
     message = (f"{what}: {verdict}; quantize={chosen or 'none'}, moments {o.moment_dtype}, "
                f"{o.streamed_blocks} of {shape.num_hidden_layers} blocks streamed, activations {keep} kept / "
                f"{page} paged / {recompute} recomputed; lower bound {plan.lower_bound_s * 1e3:.1f} ms/step "
@@ -288,28 +292,34 @@ def _refusal(what: str, state, facts: ModelFacts, budget, quantize, moment_dtype
         size = (e.vram if name == "VRAM" else e.host)[category]
         parts.append(f"needs {need / GiB:.1f} GiB of {_NAMES[name]}, {have / GiB:.1f} available "
                      f"({over / GiB:.1f} short; the largest part: {category.replace('_', ' ')} {size / GiB:.1f} GiB)")
-    fixes = []
-    layers = facts.shape.num_hidden_layers
-    candidates = []
-    if moment_dtype != "bfloat16":
-        candidates.append(("moment_dtype='bf16'", dict(moment_dtype="bfloat16")))
-    if facts.train == "lora" and not facts.quantized and state.options.quantize != "nf4":
-        candidates.append(("quantize='nf4'", dict(quantize="nf4")))
-    if facts.train == "lora" and streamed < layers and not state.options.quantize:
-        candidates.append(("param_offload=True", dict(streamed_blocks=layers)))
-    for text, change in candidates:
-        trial = {**args, "quantize": state.options.quantize, **change}
-        if ts_planner.plan_memory(facts.shape, budget, batch=1, seq=1, **trial).fits:
-            fixes.append(text)
-    if facts.train == "full":
-        lora = {**args, "train": "lora", "lora_rank": 16, "lora_targets": ts_planner.LORA_TARGETS,
-                "adapter_dtype": "float32", "quantize": "auto", "streamed_blocks": 0}
-        if ts_planner.plan_memory(facts.shape, budget, batch=1, seq=1, **lora).fits:
-            fixes.append("LoRA adapters (peft) instead of training every parameter")
+    fixes = _fixes(facts, budget, state.options, args, moment_dtype, streamed, seq=1)
     advice = (f"use {' or '.join(fixes)}" if fixes else
               "nothing the options allow fits: a smaller model, a GPU with more memory or more host RAM")
     return (f"trainstream.wrap() refused before allocating anything: the model ({what}) does not fit even at "
             f"one token per step: {'; '.join(parts)}: {advice} (check_memory=False tries anyway)")
+
+
+def _fixes(facts: ModelFacts, budget, options, args: dict, moment_dtype, streamed: int, seq: int) -> list[str]:
+    """The single changes of wrap() options that make a plan at 1 x `seq` tokens fit."""
+    layers, q = facts.shape.num_hidden_layers, options.quantize
+    candidates = []
+    if moment_dtype != "bfloat16" and options.moment_dtype != "bfloat16":
+        candidates.append(("moment_dtype='bf16'", dict(moment_dtype="bfloat16")))
+    if facts.train == "lora" and not facts.quantized and q != "nf4" and streamed == 0:
+        candidates.append(("quantize='nf4'", dict(quantize="nf4")))
+    if facts.train == "lora" and not facts.quantized and streamed < layers:
+        text = "param_offload=True" + (" with quantize=None" if q else "")
+        candidates.append((text, dict(quantize=None, streamed_blocks=layers)))
+    if facts.train == "full":
+        candidates.append(("LoRA adapters (peft) instead of training every parameter",
+                           dict(train="lora", lora_rank=16, lora_targets=ts_planner.LORA_TARGETS,
+                                adapter_dtype="float32", quantize="auto", streamed_blocks=0)))
+    fits = []
+    for text, change in candidates:
+        trial = {**args, "quantize": q, **change}
+        if ts_planner.plan_memory(facts.shape, budget, batch=1, seq=seq, **trial).fits:
+            fits.append(text)
+    return fits
 
 
 def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: int) -> WrapPlan:
