@@ -33,6 +33,10 @@ def fake_timer(table: dict[str, float]):
 _ENABLED = {FLASH: torch.backends.cuda.flash_sdp_enabled, MATH: torch.backends.cuda.math_sdp_enabled,
             SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
             SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled}
+if torch.cuda.is_available():  # torch sets its CUDA default order at the first CUDA SDPA call: settle it
+    from trainstream.attention._pin import initialize_order
+
+    initialize_order("cuda")
 _PRIORITY = list(torch._C._get_sdp_priority_order())
 
 
