@@ -89,6 +89,9 @@ class StallClock:
             with self.host_wait(cause):
                 yield
             return
+        if torch.cuda.is_current_stream_capturing():  # timing events cannot be captured into a graph
+            yield
+            return
         stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
