@@ -68,7 +68,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 # ---- scenarios (run on every rank) ------------------------------------------------------------
 
-def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None):
+def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None, with_model=True):
     import trainstream
     import trainstream.distributed
 
@@ -78,7 +78,8 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
     start = 0
     if resume is not None:
         saved = torch.load(resume, weights_only=True)
-        model.load_state_dict(saved["model"])
+        if with_model:
+            model.load_state_dict(saved["model"])  # else the weights come from the owners' saved masters
         optimizer.load_state_dict(saved["optimizer"])
         start = SAVE_AT
 
@@ -137,6 +138,7 @@ SCENARIOS = {
     "accumulate": lambda r, w, o: _train(r, w, o, accumulation=2),
     "accumulate_clip": lambda r, w, o: _train(r, w, o, clip=0.05, accumulation=2),
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
+    "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),
     "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
     "rank_dies": _rank_dies,  # last: it ends the process group
