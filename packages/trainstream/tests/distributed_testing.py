@@ -99,6 +99,27 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
     return result
 
 
+def unfreeze_run(model, optimizer, rank: int, world: int) -> None:
+    """The last linear's weight frozen for 2 steps (in the optimizer all along), then trained."""
+    model[4].weight.requires_grad_(False)
+    train_steps(model, optimizer, 2, rank, world)
+    model[4].weight.requires_grad_(True)
+    train_steps(model, optimizer, STEPS, rank, world, start=2)
+
+
+def _unfreeze(rank, world, out):
+    import trainstream
+
+    model = make_model(seed=rank)
+    model[4].weight.requires_grad_(False)  # frozen at wrap(): its slot starts DORMANT on every rank
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    unfreeze_run(model, optimizer, rank, world)
+    owned = [s.index for s in model._trainstream_session.engine.active]
+    result = {"weights": weights(model), "owned": owned}
+    trainstream.unwrap(model)
+    return result
+
+
 def _mismatch(rank, world, out, *, what):
     import trainstream
 
@@ -139,6 +160,7 @@ SCENARIOS = {
     "accumulate_clip": lambda r, w, o: _train(r, w, o, clip=0.05, accumulation=2),
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
+    "unfreeze": _unfreeze,
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),
     "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
     "rank_dies": _rank_dies,  # last: it ends the process group

@@ -10,7 +10,16 @@ import torch
 import torch.distributed as dist
 import trainstream
 import trainstream.distributed as tsd
-from distributed_testing import SAVE_AT, STEPS, make_model, make_optimizer, run_ranks, train_steps, weights
+from distributed_testing import (
+    SAVE_AT,
+    STEPS,
+    make_model,
+    make_optimizer,
+    run_ranks,
+    train_steps,
+    unfreeze_run,
+    weights,
+)
 
 TOL = 1e-6
 TRAINING = ["plain", "clip", "accumulate", "accumulate_clip"]
@@ -25,7 +34,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(out):
-    return run_ranks(2, [*TRAINING, "mismatch_shape", "mismatch_settings"], out)
+    return run_ranks(2, [*TRAINING, "unfreeze", "mismatch_shape", "mismatch_settings"], out)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +71,16 @@ def test_ranks_train_like_one_process_on_the_global_batch(two, three, world, sce
     assert _max_diff(first, reference) <= TOL
     for rank in range(1, world):
         assert _max_diff(_result(runs, scenario, rank)["weights"], first) == 0.0  # the ranks agree exactly
+
+
+def test_a_parameter_unfrozen_during_training_is_trained_by_its_owner(two):
+    model = make_model()
+    unfreeze_run(model, make_optimizer(model), 0, 1)  # stock AdamW skips it while frozen, as the engine does
+    reference = weights(model)
+    results = [_result(two, "unfreeze", r) for r in range(2)]
+    assert sum(6 in r["owned"] for r in results) == 1  # parameter 6 (4.weight): state on its owner only
+    for r in results:
+        assert _max_diff(r["weights"], reference) <= TOL
 
 
 def _single_process_state_bytes() -> tuple[int, list[int]]:

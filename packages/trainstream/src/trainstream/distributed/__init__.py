@@ -40,7 +40,7 @@ def setup(slots: list, device: torch.device, events, *, enabled: bool | None = N
     """Data parallel for the engine's `slots`, or None when off. ``enabled``: None turns it on when an
     initialized process group has more than one rank, True requires a process group, False is off.
     Collective: checks that every rank has the same model (``settings`` included), assigns each
-    parameter an owner (``slot.owned``), and gives every rank rank 0's trained weights."""
+    parameter an owner (``slot.owned``), and gives every rank rank 0's weights of the optimizer's parameters."""
     if enabled is not None and not isinstance(enabled, bool):
         raise ValueError(f"distributed={enabled!r} is not valid; use None (on when a process group of more than "
                          f"one rank exists), True or False")
@@ -69,12 +69,12 @@ def setup(slots: list, device: torch.device, events, *, enabled: bool | None = N
     if bucket_bytes is None:
         bucket_bytes = DEFAULT_BUCKET_BYTES.get(comm.backend, DEFAULT_BUCKET_BYTES["gloo"])
     dp = DataParallel(comm, slots, owners, bucket_bytes)
-    dp.share_weights(trained, source=0)
+    dp.share_weights(list(slots), source=0)  # frozen ones too: they may be unfrozen later
     mine = [s for s in trained if s.owned]
     share = sum(s.numel for s in mine) / max(1, sum(s.numel for s in trained))
     events.add("distributed", f"data parallel over {comm.world} ranks ({comm.backend}): rank {comm.rank} owns "
                               f"{len(mine)} of {len(trained)} trained parameters ({share:.0%} of the values) and "
-                              f"keeps their master weights and moments; the trained weights start as rank 0's; "
+                              f"keeps their master weights and moments; the optimizer's weights start as rank 0's; "
                               f"gradients are averaged into their owner at step() and the new weights broadcast")
     return dp
 
