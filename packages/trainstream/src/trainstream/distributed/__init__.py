@@ -67,7 +67,7 @@ def setup(slots: list, device: torch.device, events, *, enabled: bool | None = N
     for s, owner in zip(frozen, assign_owners([s.numel * s.param.element_size() for s in frozen], comm.world, loads)):
         owners[s.index] = owner
     if bucket_bytes is None:
-        bucket_bytes = DEFAULT_BUCKET_BYTES.get(comm.backend, DEFAULT_BUCKET_BYTES["gloo"])
+        bucket_bytes = DEFAULT_BUCKET_BYTES[comm.transport]
     dp = DataParallel(comm, slots, owners, bucket_bytes)
     dp.share_weights(list(slots), source=0)  # frozen ones too: they may be unfrozen later
     mine = [s for s in trained if s.owned]

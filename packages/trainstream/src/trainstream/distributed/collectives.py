@@ -31,8 +31,11 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        # NCCL moves device tensors only; gloo (and anything else) gets host tensors.
-        self.device = device if (self.backend == "nccl" and device is not None) else torch.device("cpu")
+        # NCCL moves device tensors only; gloo (and anything else) gets host tensors. A group with both
+        # (torch's default "cpu:gloo,cuda:nccl") uses NCCL for a model on the GPU.
+        on_gpu = device is not None and device.type == "cuda" and "nccl" in self.backend
+        self.device = device if on_gpu else torch.device("cpu")
+        self.transport = "nccl" if on_gpu else "gloo"
         self.timeout = float(timeout)
         self.calls = 0
         self.bytes = 0  # bytes this rank sent into collectives (its buffers' sizes)

@@ -150,7 +150,7 @@ class DataParallel:
         """What memory_report(model)["distributed"] shows: world, rank, ownership and traffic (bytes)."""
         trained = [s for s in self.slots if s.param.requires_grad]
         owned = [s for s in trained if s.owned]
-        return {"world": self.world, "rank": self.rank, "backend": self.comm.backend,
+        return {"world": self.world, "rank": self.rank, "backend": self.comm.backend, "transport": self.comm.transport,
                 "owned_params": len(owned), "owned_values": sum(s.numel for s in owned),
                 "trained_params": len(trained), "trained_values": sum(s.numel for s in trained),
                 "bucket_bytes": self.bucket_bytes, "steps": self.steps, "collectives": self.comm.calls,
