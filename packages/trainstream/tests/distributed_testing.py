@@ -176,7 +176,7 @@ def _worker(rank: int, world: int, port: int, out: str, scenarios: list[str], ti
 
     tsd.DEFAULT_TIMEOUT_S = timeout
     # NCCL: one GPU per rank; gloo with device="cuda": every rank on the one GPU (host collectives).
-    _DEVICE = f"cuda:{rank}" if backend == "nccl" else device
+    _DEVICE = f"cuda:{rank}" if backend == "nccl" else ("cuda:0" if device == "cuda" else device)
     if _DEVICE.startswith("cuda"):
         torch.cuda.set_device(torch.device(_DEVICE))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))

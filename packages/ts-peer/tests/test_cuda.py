@@ -74,7 +74,9 @@ def test_single_process_cuda_pool():
         pool.copy_block(1, got_b, torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), a) and torch.equal(got_b.cpu().view(torch.int16), b.view(torch.int16))
-        assert pool.pool_bytes == 10_240 + 384 and pool.stats()["local_bytes"] == 10_001 + 384
+        # The blocks take 10,240 + 384 bytes; the device allocation rounds the pool up (10,752 on the H200).
+        assert 10_240 + 384 <= pool.pool_bytes <= 10_240 + 384 + 512
+        assert pool.stats()["local_bytes"] == 10_001 + 384
         with pytest.raises(ValueError, match="copy into a tensor there"):
             pool.copy_block(0, torch.empty(10_001, dtype=torch.uint8))
         own = ts_peer.IpcHandle("cuda", b"\0" * 64, 0, 1, 0, _core.pci_bus_id(0), os.getpid())
