@@ -94,6 +94,7 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
     result = {"weights": weights(model), "optimizer": report["optimizer"],
               "distributed": trainstream.distributed.report(model._trainstream_session.engine),
               "owned": [s.index for s in model._trainstream_session.engine.active],
+              "report_distributed": report.get("distributed"),
               "events": report["events"]}
     trainstream.unwrap(model)
     return result
@@ -116,6 +117,17 @@ def _unfreeze(rank, world, out):
     unfreeze_run(model, optimizer, rank, world)
     owned = [s.index for s in model._trainstream_session.engine.active]
     result = {"weights": weights(model), "owned": owned}
+    trainstream.unwrap(model)
+    return result
+
+
+def _forced_off(rank, world, out):
+    import trainstream
+
+    model = make_model(seed=rank)
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1, distributed=False)
+    train_steps(model, optimizer, STEPS, rank, world)
+    result = {"weights": weights(model), "has_report": "distributed" in trainstream.memory_report(model)}
     trainstream.unwrap(model)
     return result
 
@@ -161,6 +173,7 @@ SCENARIOS = {
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
     "unfreeze": _unfreeze,
+    "forced_off": _forced_off,
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),
     "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
     "rank_dies": _rank_dies,  # last: it ends the process group

@@ -34,7 +34,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(out):
-    return run_ranks(2, [*TRAINING, "unfreeze", "mismatch_shape", "mismatch_settings"], out)
+    return run_ranks(2, [*TRAINING, "unfreeze", "forced_off", "mismatch_shape", "mismatch_settings"], out)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +161,19 @@ def test_the_distributed_switch_without_a_process_group():
         tsd.setup([], torch.device("cpu"), None, enabled=True)
     with pytest.raises(ValueError, match="distributed='yes' is not valid"):
         tsd.setup([], torch.device("cpu"), None, enabled="yes")
+
+
+def test_wrap_distributed_false_trains_each_rank_alone_and_memory_report_says_which(two):
+    for rank in range(2):
+        assert _result(two, "plain", rank)["report_distributed"] == _result(two, "plain", rank)["distributed"]
+        assert _result(two, "plain", rank)["report_distributed"]["world"] == 2
+        assert _result(two, "forced_off", rank)["has_report"] is False
+    # Off: no rank-0 broadcast, no averaging: each rank keeps its own seed's model and its own batches.
+    assert _max_diff(_result(two, "forced_off", 0)["weights"], _result(two, "forced_off", 1)["weights"]) > 1e-3
+
+
+def test_wrap_refuses_a_distributed_value_that_is_not_a_switch():
+    import trainstream
+
+    with pytest.raises(ValueError, match="distributed='yes' is not valid"):
+        trainstream.wrap(make_model(), make_optimizer(make_model()), distributed="yes")

@@ -51,6 +51,7 @@ class WrapOptions:
     attention: Any = "default"  # "auto" once its GPU test passes (README)
     param_offload: Any = False
     peer: Any = "auto"
+    distributed: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -106,6 +107,9 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     opts.attention = check_attention_mode(opts.attention)
     opts.param_offload = check_param_offload(opts.param_offload)
     opts.peer = check_peer_option(opts.peer)
+    if opts.distributed is not None and not isinstance(opts.distributed, bool):
+        raise ValueError(f"distributed={opts.distributed!r} is not valid; use None (on when an initialized process "
+                         f"group has more than one rank), True or False")
     opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
     opts.recompute = check_block_choice("recompute", opts.recompute)
     opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import ts_pinned
 
+from .distributed import report as distributed_report
 from .engine import transfer_stats
 
 __all__ = ["memory_report", "pinned_stats"]
@@ -72,6 +73,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                                  "peer_bytes": stats.get("peer_bytes", 0), "streaming": stats})
     if session.attention is not None:
         report["attention"] = session.attention.report()
+    if session.engine.step_hook is not None:
+        report["distributed"] = distributed_report(session.engine)
     plan = getattr(session, "plan", None)  # the plan made at wrap() (memory/plan.py: WrapPlan.to_dict)
     if plan is not None:
         plan = {**plan, "target_vram": (plan.get("budget") or {}).get("usable_vram_bytes"),

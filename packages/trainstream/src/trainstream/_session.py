@@ -112,7 +112,8 @@ class TrainStreamSession:
             self.events.add("optimizer", "host AdamW writes the weights for upload with streaming stores")
         self.engine = UpdateEngine(slots, device, self.moment_dtype, self.arena, self.events,
                                    max_grad_norm=options.max_grad_norm, accumulation_steps=options.accumulation_steps,
-                                   seed=options.seed, guard_params=options.guard_params, placement=initial)
+                                   seed=options.seed, guard_params=options.guard_params, placement=initial,
+                                   distributed=options.distributed)
         try:
             for slot in trained:
                 self.engine.activate(slot)
