@@ -95,6 +95,7 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
               "distributed": trainstream.distributed.report(model._trainstream_session.engine),
               "owned": [s.index for s in model._trainstream_session.engine.active],
               "report_distributed": report.get("distributed"),
+              "host_state_bytes": model._trainstream_session.host_state_bytes,
               "events": report["events"]}
     trainstream.unwrap(model)
     return result

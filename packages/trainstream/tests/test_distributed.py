@@ -105,6 +105,7 @@ def test_each_rank_keeps_only_its_share_of_the_host_state(two, three, world):
     for rank, nbytes in enumerate(state):
         assert nbytes == sum(per_param[i] for i in owned[rank])
         assert 0 < nbytes <= total / world + max(per_param), (rank, nbytes, total)
+        assert _result(runs, "plain", rank)["host_state_bytes"] == nbytes  # planned and page-locked: its share
         info = _result(runs, "plain", rank)["distributed"]
         assert (info["world"], info["rank"], info["backend"]) == (world, rank, "gloo")
         assert info["owned_params"] == len(owned[rank])

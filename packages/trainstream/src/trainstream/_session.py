@@ -17,7 +17,7 @@ from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
 from .memory import peer
 from .memory.activations import ActivationPolicy
-from .memory.plan import GiB, device_state_bytes, plan_host_memory, vram_budget
+from .memory.plan import GiB, device_state_bytes, host_state_bytes, plan_host_memory, vram_budget
 
 __all__ = ["TrainStreamSession"]
 
@@ -91,17 +91,23 @@ class TrainStreamSession:
         if mode == "gpu" and not on_gpu:
             raise ValueError("optimizer_mode='gpu' needs a CUDA device; use 'cpu' or 'auto'")
         initial = "mapped" if mode == "gpu" else "host"
-        plan = plan_host_memory([s.param for s in trained], initial, options.moment_dtype, options.check_memory)
+        own, largest = _host_shares(trained, options.distributed)
+        # Under data parallel every rank decides on the largest rank's share, so all choose the same moments.
+        plan = plan_host_memory([s.param for s in largest], initial, options.moment_dtype, options.check_memory)
         self.moment_dtype = plan.moment_dtype
+        self.host_state_bytes = sum(host_state_bytes(s.param, initial, self.moment_dtype.itemsize) for s in own)
         self.events.add("plan", plan.message)
 
         self.arena = ts_pinned.default_arena()
         # Page-lock everything now, in slabs, so no training step ever page-locks.
-        slack = 1024 * len(trained) * 5
-        _reserve_with_progress(self.arena, plan.needed + slack, options.verbose)
+        slack = 1024 * len(own) * 5
+        _reserve_with_progress(self.arena, self.host_state_bytes + slack, options.verbose)
         pinned = self.arena.stats()["pinned"]
-        self.events.add("memory", f"reserved {plan.needed / GiB:.2f} GiB of {'page-locked' if pinned else 'pageable'} "
-                                  f"host memory for the optimizer state" + ("" if pinned else " (no GPU driver)"))
+        self.events.add("memory", f"reserved {self.host_state_bytes / GiB:.2f} GiB of "
+                                  f"{'page-locked' if pinned else 'pageable'} host memory for the optimizer state"
+                                  + ("" if pinned else " (no GPU driver)")
+                                  + ("" if own is trained else f" ({len(own)} of {len(trained)} trained parameters "
+                                                               f"are this rank's)"))
         if options.threads is not None and not ts_adamw.set_host_threads(options.threads):
             self.events.add("optimizer", f"threads={options.threads} ignored: the host pool already runs "
                                          f"with {ts_adamw.host_threads()} threads")
@@ -280,6 +286,21 @@ class TrainStreamSession:
             if self._interrupts:
                 interrupts.uninstall()
                 self._interrupts = False
+
+
+def _host_shares(trained: list[ParamSlot], distributed) -> tuple[list[ParamSlot], list[ParamSlot]]:
+    """(this rank's trained slots, the largest rank's): under data parallel the owners that
+    distributed.setup() assigns (the same pure rule), so host memory is planned and page-locked for
+    this rank's share only; otherwise all of them, twice."""
+    from . import distributed as tsd
+
+    world = 1 if distributed is False else tsd.active_world()
+    if world < 2:
+        return trained, trained
+    owners = tsd.assign_owners([s.numel * s.param.element_size() for s in trained], world)
+    shares = [[s for s, o in zip(trained, owners) if o == r] for r in range(world)]
+    largest = max(shares, key=lambda share: sum(s.numel for s in share))
+    return shares[torch.distributed.get_rank()], largest
 
 
 def _weights_fit(weights, device: torch.device) -> bool:
