@@ -12,6 +12,10 @@ with ``set_per_process_memory_fraction`` (what is left after the weights plays t
 part). Needs a GPU, transformers and trainstream.
 
     python packages/ts-kvcache/bench/generate.py --sweep --vram-cap-gb 40 --out docs/results/kvcache_h200.jsonl
+    python packages/ts-kvcache/bench/generate.py --sweep --layers 8 --new 128 --vram-cap-gb 12   # minutes, not tens
+
+The sweep's probes each print a progress line on stderr (on 2026-12-01 a full-size sweep printed nothing
+within 230 s on the H200: every probe is a whole generate() of the 7B shape in its own process).
 """
 
 from __future__ import annotations
@@ -147,6 +151,9 @@ def sweep(args) -> None:
     batch, fits = args.start_batch, None
     while batch <= args.max_batch:
         result = _child(args, "dynamic", batch)
+        # Progress: each probe is a whole generate() in a fresh process (a minute or more at 7B).
+        print(f"probe: DynamicCache at batch {batch}: {result.get('outcome')} "
+              f"({result.get('tokens_per_s', '-')} tokens/s)", file=sys.stderr, flush=True)
         if result.get("outcome") != "ok":
             break
         fits = (batch, result)
