@@ -70,6 +70,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = parse_options(options)
     device = _training_device(model, opts.device)
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
+    offload_why = None
+    if opts.param_offload == "auto":
+        opts.param_offload, offload_why = _auto_param_offload(model, device, opts)
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     streamer = _weight_streamer(model, device, opts)
     plan = _plan(model, device, opts, streamer)  # before anything is allocated; PlanRefused when nothing fits
@@ -94,6 +97,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         session.plan = plan.to_dict()
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
+        if offload_why:
+            session.events.add("weights", offload_why)
         if why:
             session.events.add("quantize", why)
         if quantized:
@@ -132,6 +137,33 @@ def _weight_streamer(model: torch.nn.Module, device: torch.device, opts) -> Weig
                          "pass blocks=[...]")
     chosen = blocks_of("param_offload", opts.param_offload, len(blocks))
     return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth)
+
+
+def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts) -> tuple[list[int] | bool, str]:
+    """param_offload='auto': (the blocks to stream, why). With quantize=None, the fewest blocks with
+    which the plan fits (spread through the stack, as ts-planner spreads them); with quantization on,
+    none (its codes do not stream yet, and quantizing is the faster way to fit)."""
+    if opts.quantize is not None:
+        return False, (f"param_offload='auto': none stream, quantize={opts.quantize!r} decides how the weights fit "
+                       f"(pass quantize=None to stream exact weights instead)")
+    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    facts = describe_model(model, blocks)
+    if facts.shape is None or not blocks:
+        return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)"
+    budget, activations = wrap_budget(device, opts, facts), _activations(opts, len(blocks))
+    for count in range(len(blocks) + 1):  # the fewest streamed blocks with which the plan's tokens fit
+        plan = plan_wrap(facts, budget, quantize=None, moment_dtype=opts.moment_dtype, activations=activations,
+                         streamed_blocks=count)
+        if plan.plan is not None and plan.plan.fits:
+            break
+    chosen = list(plan.plan.streamed) if plan.plan is not None else []
+    if not chosen:
+        return False, f"param_offload='auto': none stream ({plan.message})"
+    if not plan.plan.fits:
+        return chosen, (f"param_offload='auto': all {len(blocks)} blocks stream and the plan's tokens still do not "
+                        f"fit: the activation policy finds what does ({plan.message})")
+    return chosen, (f"param_offload='auto': {len(chosen)} of {len(blocks)} blocks stream, the fewest with which the "
+                    f"plan fits ({plan.message})")
 
 
 def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -> None:

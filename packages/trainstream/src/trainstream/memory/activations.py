@@ -41,13 +41,12 @@ def check_block_choice(name: str, value):
 def check_param_offload(value):
     """param_offload=: the blocks whose frozen weights stream from host memory."""
     if value == "auto":
-        raise ValueError("param_offload='auto' is not available yet (the planner that chooses it is being built); "
-                         "use True, False, a fraction in [0, 1] or a list of block indices")
+        return "auto"  # wrap() asks the plan (memory/plan.py) which blocks must stream
     try:
         return check_block_choice("param_offload", value)
     except ValueError:
-        raise ValueError(f"param_offload={value!r} is not valid; use True, False, a fraction in [0, 1] or a list of "
-                         f"distinct block indices >= 0") from None
+        raise ValueError(f"param_offload={value!r} is not valid; use 'auto', True, False, a fraction in [0, 1] or a "
+                         f"list of distinct block indices >= 0") from None
 
 
 def blocks_of(name: str, value, count: int) -> list[int]:

@@ -1,0 +1,85 @@
+"""param_offload='auto': the plan made at wrap() picks the fewest streamed blocks with which it fits
+(quantize=None), none when quantization decides, and wrap() streams those blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import trainstream
+from trainstream import _wrap
+from trainstream._options import parse_options
+from ts_testing import batches, loss_of, tiny_llama
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GiB = 1 << 30
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, target_modules=PROJECTIONS))
+
+
+@pytest.fixture(scope="module")
+def lora_7b_on_meta():
+    """A Qwen2.5-7B-shaped bf16 LoRA model on the meta device: the plan reads sizes only."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return _lora(model)
+
+
+def _with_vram(monkeypatch, vram_gib: float):
+    real = _wrap.wrap_budget
+    monkeypatch.setattr(_wrap, "wrap_budget", lambda d, o, f: dataclasses.replace(
+        real(d, o, f), vram_bytes=int(vram_gib * GiB), host_bytes=200 * GiB, pinned_bytes=150 * GiB))
+
+
+def test_less_vram_never_streams_fewer_blocks_and_enough_streams_none(lora_7b_on_meta, monkeypatch):
+    opts = parse_options({"param_offload": "auto", "quantize": None})
+    counts = []
+    for vram in (40, 24, 16, 12, 8):
+        _with_vram(monkeypatch, vram)
+        chosen, why = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+        counts.append(0 if chosen is False else len(chosen))
+        assert "param_offload='auto'" in why
+        if chosen:
+            assert chosen == sorted(set(chosen)) and all(0 <= i < 28 for i in chosen)
+    assert counts[0] == 0 and 0 < counts[2] < 28  # 40 GiB holds the 15 GB base; 16 GiB streams some of it
+    assert counts == sorted(counts)
+
+
+def test_auto_leaves_the_weights_to_quantize_when_it_is_on(lora_7b_on_meta, monkeypatch):
+    _with_vram(monkeypatch, 12)
+    for quantize in ("auto", "nf4"):
+        chosen, why = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"),
+                                                parse_options({"param_offload": "auto", "quantize": quantize}))
+        assert chosen is False and f"quantize={quantize!r} decides" in why
+
+
+def test_wrap_streams_the_blocks_auto_chose_and_trains_like_resident(monkeypatch):
+    data = batches(3)
+    runs = []
+    for offload in (False, "auto"):
+        model = _lora(tiny_llama(layers=4))
+        if offload:
+            _with_vram(monkeypatch, 0.02)  # 20 MiB: the plan streams the blocks
+        model, opt = trainstream.wrap(model, lr=1e-3, param_offload=offload, quantize=None)
+        losses = []
+        for ids in data:
+            loss = loss_of(model, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        report = trainstream.memory_report(model)
+        runs.append((losses, report))
+        trainstream.unwrap(model)
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][1]["params"]["paged_blocks"] == [0, 1, 2, 3]
+    assert any("param_offload='auto'" in e for e in runs[1][1]["events"])
