@@ -27,7 +27,15 @@ from . import interrupts
 from .channel import UploadMarks, channel_for
 from .hooks import EngineHook
 from .slots import ParamSlot, SlotState, grad_in_memory_order
-from .updates import HostUpdater, hyper_of, launch_device_update, launch_device_updates
+from .updates import (
+    DeviceBatch,
+    HostUpdater,
+    device_batches,
+    group_hypers,
+    hyper_of,
+    launch_batches,
+    launch_device_update,
+)
 
 __all__ = ["UpdateEngine", "UpdateFailed"]
 
@@ -72,6 +80,11 @@ class UpdateEngine:
         self.last_grad_norm: float | None = None
         self._clip_scale: float | None = None  # this step's coefficient, kept until all its updates are queued
         self._device_done: torch.cuda.Event | None = None  # the newest device update of this step
+        # Fused launches' fixed arguments, for the slot set they were built for (None: rebuild).
+        self._batches: tuple[tuple, list[DeviceBatch]] | None = None
+        # A fused launch's gradients, alive until the compute stream is ordered after it (instead of a
+        # record_stream per tensor): (event, gradients).
+        self._held_grads: tuple | None = None
         self._dormant = [s for s in slots if s.state is S.DORMANT]
         self._grad_hook = EngineHook(self._on_grad)
 
@@ -87,6 +100,7 @@ class UpdateEngine:
         if not slot.owned:
             return
         slot.allocate(placement or self.placement, self.moment_dtype, self.arena)
+        self._batches = None
         with interrupts.critical():
             self._hook_for(slot)
             slot.note_weight()
@@ -172,6 +186,7 @@ class UpdateEngine:
         """Takes gradients still accumulating, applies clipping, queues the remaining updates, and
         (guard_params) orders every later read of a weight after its update."""
         self.raise_errors()
+        self._release_grads()
         self.activate_unfrozen()
         if self.step_hook is not None:
             self.step_hook.before_step(self)
@@ -198,34 +213,91 @@ class UpdateEngine:
 
     def _take_resident(self, slots: list[ParamSlot]) -> None:
         """Device slots (no hook) with gradients: one fused launch now, or ARRIVED for the norm."""
-        for s in slots:
-            grad = s.param.grad
-            if grad.is_sparse or grad.layout != torch.strided:
-                raise ValueError(f"{s.label} has a {grad.layout} gradient; trainstream trains dense gradients only "
-                                 f"(use sparse=False in the embedding)")
         if self.max_grad_norm is not None:
+            for s in slots:
+                layout = s.param.grad.layout
+                if layout is not torch.strided:
+                    raise ValueError(f"{s.label} has a {layout} gradient; trainstream trains dense gradients "
+                                     f"only (use sparse=False in the embedding)")
             with interrupts.critical():
                 for s in slots:
                     s.move(S.ARRIVED)
             return
-        hypers = [hyper_of(s, 1.0, self.seed) for s in slots]
-        for s in slots:
-            self._follow_user_edit(s)
-        self._launch_device(slots, hypers)
+        self._launch_device(slots, 1.0)
 
-    def _launch_device(self, slots: list[ParamSlot], hypers) -> None:
-        """Fused updates of device / mapped slots whose gradients are in param.grad (-> IDLE)."""
-        grads = [grad_in_memory_order(s.param.grad.detach(), s.param) for s in slots]
+    def _device_batches(self, slots: list[ParamSlot]) -> list[DeviceBatch]:
+        """The cached launch arguments for exactly these slots (rebuilt when the set, a placement or a
+        step count changed)."""
+        key = tuple(slots)
+        cached = self._batches
+        if cached is not None and cached[0] == key and all(b.valid() for b in cached[1]):
+            return cached[1]
+        batches = device_batches(slots)
+        self._batches = (key, batches)
+        return batches
+
+    def _launch_device(self, slots: list[ParamSlot], grad_scale: float) -> None:
+        """Fused updates of device / mapped slots whose gradients are in param.grad (-> IDLE): the
+        group's hyper-parameters read and checked once per group, user edits followed, one launch per
+        (group, step count). Everything that can fail comes before the launch."""
+        batches = self._device_batches(slots)
+        hypers: dict[int, object] = {}
+        for batch in batches:  # in slot order: a bad value names its group's first trained parameter
+            if id(batch.group) not in hypers:
+                hypers[id(batch.group)] = hyper_of(batch.slots[0], grad_scale, self.seed)
+        for batch in batches:
+            if self._follow_edits(batch):
+                self._batches = None
+        if self._batches is None:
+            batches = self._device_batches(slots)
+        grads = [self._grads(batch) for batch in batches]
         after = self.channel.mark_compute()
+        record = not (self.guard_params and self.channel.is_cuda)
         with interrupts.critical():
-            done = launch_device_updates(list(zip(slots, grads, hypers)), self.channel, after)
+            done = launch_batches(batches, grads, hypers, self.channel, after, record_streams=record)
             self._device_done = done
+            if not record:
+                self._held_grads = (done, grads)
             for s in slots:
                 s.written = done
                 s.step += 1
                 s.param.grad = None
-                s.micro = 0
-                s.move(S.IDLE)
+                if s.state is not S.IDLE:  # ARRIVED (clipping); IDLE slots have micro 0 already
+                    s.micro = 0
+                    s.move(S.IDLE)
+
+    def _follow_edits(self, batch: DeviceBatch) -> bool:
+        """Invariant 4 for a batch's slots; True when a weight's storage moved (the batch is stale)."""
+        moved = False
+        for s, p, ptr in zip(batch.slots, batch.params, batch.ptrs):
+            if p._version != s.weight_version or p.data_ptr() != s.weight_ptr:
+                self._follow_user_edit(s)
+            if s.weight_ptr != ptr:
+                moved = True
+        return moved
+
+    @staticmethod
+    def _grads(batch: DeviceBatch) -> list[torch.Tensor]:
+        """The batch's gradients in their parameters' memory order: contiguous ones as they are (the
+        kernel takes any contiguous shape of the right size and detaches), others copied to the layout."""
+        out = []
+        for s, p in zip(batch.slots, batch.params):
+            g = p.grad
+            if g.layout is not torch.strided:
+                raise ValueError(f"{s.label} has a {g.layout} gradient; trainstream trains dense gradients only "
+                                 f"(use sparse=False in the embedding)")
+            out.append(g if batch.contiguous and g.is_contiguous() else grad_in_memory_order(g.detach(), p))
+        return out
+
+    def _release_grads(self, ordered: bool = False) -> None:
+        """Drops the last fused launch's gradients once their memory may be reused: its event is
+        complete, or (`ordered`) the compute stream, where they were allocated, waits for it."""
+        held = self._held_grads
+        if held is None:
+            return
+        if not ordered and not held[0].query():
+            self.channel.compute_wait(held[0])
+        self._held_grads = None
 
     def _clip_and_update(self) -> None:
         arrived = [s for s in self.slots if s.state is S.ARRIVED]
@@ -248,18 +320,18 @@ class UpdateEngine:
             self.last_grad_norm = norm
             # Same coefficient as torch.nn.utils.clip_grad_norm_.
             self._clip_scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        hypers = [hyper_of(s, self._clip_scale, self.seed) for s in arrived]
-        for s in arrived:
+        hypers = group_hypers(arrived, self._clip_scale, self.seed)
+        host = [s for s in arrived if s.placement == "host"]
+        for s in host:
             self._follow_user_edit(s)  # edited between backward and step(): the update starts from the edit
         with interrupts.critical():
-            for s, h in zip(arrived, hypers):
-                if s.placement == "host":
-                    s.hyper = h
-                    s.move(S.QUEUED)
-                    s.written = self.host.submit(s)
-        device = [(s, h) for s, h in zip(arrived, hypers) if s.placement != "host"]
+            for s in host:
+                s.hyper = hypers[id(s.group)].for_slot(s)
+                s.move(S.QUEUED)
+                s.written = self.host.submit(s)
+        device = [s for s in arrived if s.placement != "host"]
         if device:
-            self._launch_device([s for s, _ in device], [h for _, h in device])
+            self._launch_device(device, self._clip_scale)  # follows the device slots' edits itself
         self._clip_scale = None
 
     def discard(self) -> None:
@@ -297,6 +369,7 @@ class UpdateEngine:
         if self._device_done is not None:
             self.channel.compute_wait(self._device_done)
             self._device_done = None
+            self._release_grads(ordered=True)
         for slot in self.slots:
             slot.written = None
         if not self.channel.is_cuda:
@@ -317,6 +390,7 @@ class UpdateEngine:
         """Every queued update applied and every weight written (host and device)."""
         self.host.drain()
         self.channel.synchronize()
+        self._release_grads(ordered=True)
         for slot in self.slots:
             slot.written = None
         self._device_done = None
@@ -329,6 +403,7 @@ class UpdateEngine:
         moved = 0
         for slot in slots:
             if slot.placement != placement:
+                self._batches = None
                 slot.move_to(placement, self.arena)
                 with interrupts.critical():
                     self._hook_for(slot)

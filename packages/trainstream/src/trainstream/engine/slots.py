@@ -123,6 +123,10 @@ class ParamSlot:
     hook: object = None
     owned: bool = True  # data parallel: this rank keeps the state and runs the update (set once, at wrap())
 
+    # Counts allocate() and load() calls of every slot (new buffers, or a step set from outside): the
+    # engine's cached launch arguments are rebuilt when it moved. A class attribute, not a field.
+    buffer_changes = 0
+
     @property
     def numel(self) -> int:
         return self.param.numel()
@@ -186,6 +190,7 @@ class ParamSlot:
         # Assigned together once everything exists: a failed allocation leaves the slot as it was.
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
         self.grad_host, self.out_host, self.placement = grad_host, out_host, placement
+        ParamSlot.buffer_changes += 1
 
     def move_to(self, placement: str, arena: ts_pinned.PinnedArena) -> None:
         """Moves master and moments to another placement, keeping their values (slot not QUEUED)."""
@@ -220,3 +225,4 @@ class ParamSlot:
         self.step = int(step)
         flat(self.param.data).copy_(self.master)
         self.note_weight()
+        ParamSlot.buffer_changes += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import math
 import threading
 import time
@@ -23,7 +24,8 @@ import ts_adamw
 from .channel import UploadMarks
 from .slots import ParamSlot, SlotState, flat
 
-__all__ = ["HostUpdater", "Hyper", "hyper_of", "launch_device_update", "launch_device_updates"]
+__all__ = ["DeviceBatch", "HostUpdater", "Hyper", "device_batches", "group_hypers", "hyper_of", "launch_batches",
+           "launch_device_update", "launch_device_updates"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class Hyper:
 
     def device_kwargs(self, step: int) -> dict:
         return {**self.kwargs(step), "seed": self.run_seed}
+
+    def for_slot(self, slot: ParamSlot) -> Hyper:
+        """The same values with `slot`'s own rounding stream (what hyper_of(slot) gives)."""
+        return dataclasses.replace(self, seed=(self.run_seed + slot.index) & 0xFFFFFFFF)
 
 
 def _number(where: str, key: str, value, low: float, high: float = math.inf, *, closed_high: bool = True) -> float:
@@ -79,6 +85,87 @@ def hyper_of(slot: ParamSlot, grad_scale: float, seed: int) -> Hyper:
         seed=(seed * 1_000_003 + slot.index) & 0xFFFFFFFF,
         run_seed=(seed * 1_000_003) & 0xFFFFFFFF,
     )
+
+
+def group_hypers(slots: list[ParamSlot], grad_scale: float, seed: int) -> dict[int, Hyper]:
+    """hyper_of once per param group of `slots` (keyed by id(group)), in slot order, so a bad value is
+    refused naming the group's first trained parameter. Hyper.seed is that first slot's: use for_slot."""
+    hypers: dict[int, Hyper] = {}
+    for slot in slots:
+        key = id(slot.group)
+        if key not in hypers:
+            hypers[key] = hyper_of(slot, grad_scale, seed)
+    return hypers
+
+
+class DeviceBatch:
+    """The argument lists of one fused launch that do not change between steps: the slots of one param
+    group at one step count, their masters, moments, weight views (``outs``) and rounding keys.
+    Valid while the slot set, the buffers (placement) and the weights' storage stay; ``ptrs`` is the
+    weights' storage when built, so a replaced ``.data`` is noticed."""
+
+    __slots__ = (
+        "changes",
+        "contiguous",
+        "exp_avg_sqs",
+        "exp_avgs",
+        "group",
+        "keys",
+        "masters",
+        "outs",
+        "params",
+        "ptrs",
+        "slots",
+        "step",
+    )
+
+    def __init__(self, slots: list[ParamSlot]):
+        self.slots = slots
+        self.group = slots[0].group
+        self.step = slots[0].step  # every slot's; they advance together, one launch per step
+        self.params = [s.param for s in slots]
+        self.masters = [s.master for s in slots]
+        self.exp_avgs = [s.exp_avg for s in slots]
+        self.exp_avg_sqs = [s.exp_avg_sq for s in slots]
+        self.outs = [flat(s.param.data) for s in slots]
+        self.keys = [s.index & 0xFFFFFFFF for s in slots]
+        self.ptrs = [p.data_ptr() for p in self.params]
+        self.contiguous = all(p.is_contiguous() for p in self.params)
+        self.changes = ParamSlot.buffer_changes
+
+    def valid(self) -> bool:
+        """False once any slot got new buffers or a loaded step, or the steps moved apart."""
+        return self.changes == ParamSlot.buffer_changes and self.slots[0].step == self.step
+
+
+def device_batches(slots: list[ParamSlot]) -> list[DeviceBatch]:
+    """`slots` split by (param group, step count), in slot order: one fused launch each."""
+    parts: dict[tuple, list] = {}
+    for slot in slots:
+        parts.setdefault((id(slot.group), slot.step), []).append(slot)
+    return [DeviceBatch(part) for part in parts.values()]
+
+
+def launch_batches(batches: list[DeviceBatch], grads: list[list[torch.Tensor]], hypers: dict[int, Hyper], channel,
+                   after, *, record_streams: bool) -> torch.cuda.Event:
+    """One fused launch per batch on the optimizer stream after `after` (each tensor keeps its own
+    rounding stream, its key). `grads[i]`: flat memory-order gradients of batch i. Each batch's
+    ``step`` advances (the caller counts the slots'). Without `record_streams` the caller keeps the
+    gradients alive until the returned event is complete, or the compute stream waits on it."""
+    stream = channel.optimizer
+    stream.wait_event(after)
+    with torch.cuda.device(channel.device), torch.cuda.stream(stream):
+        for batch, batch_grads in zip(batches, grads):
+            ts_adamw.cuda_adamw_step(batch.masters, batch_grads, batch.exp_avgs, batch.exp_avg_sqs,
+                                     params_out=batch.outs, stream=stream.cuda_stream, keys=batch.keys,
+                                     **hypers[id(batch.group)].device_kwargs(batch.step + 1))
+            batch.step += 1
+            if record_streams:
+                for grad in batch_grads:
+                    grad.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
 
 
 def launch_device_update(slot: ParamSlot, grad: torch.Tensor, h: Hyper, channel, after) -> torch.cuda.Event:

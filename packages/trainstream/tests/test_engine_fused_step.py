@@ -1,0 +1,220 @@
+"""The fused device update at step() (state in VRAM, no hooks), on the CPU: the CUDA launch is
+replaced by a fake that runs ts-adamw's host step per tensor with the same arguments, and the CUDA
+stream/event calls by no-ops. What is tested is the engine's Python side: which values each launch
+gets (hyper-parameters read at step(), per group), which weights it writes (user edits and replaced
+``.data`` followed), the step counts, and the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import ts_adamw
+from trainstream.engine import ParamSlot, SlotState, UpdateEngine
+
+REAL_ADAMW_STEP = ts_adamw.adamw_step
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Channel:
+    is_cuda = True
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self.optimizer = _Stream()
+
+    def mark_compute(self):
+        return _Event()
+
+    def compute_wait(self, token):
+        pass
+
+    def host_wait(self, token):
+        pass
+
+    def order_compute_after(self, marks, sequence, wait_applied, event=None):
+        wait_applied(sequence)
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Fake CUDA: each fused launch is recorded (its kwargs and tensor count) and applied on the host."""
+    seen = []
+
+    def fake_cuda_step(params, grads, exp_avgs, exp_avg_sqs, *, params_out, stream, keys, seed, **kwargs):
+        seen.append({"count": len(params), "keys": list(keys), **kwargs})
+        for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, params_out):
+            REAL_ADAMW_STEP(p, g.detach().reshape(-1), m, v, param_out=out, seed=seed, **kwargs)
+
+    monkeypatch.setattr(ts_adamw, "cuda_adamw_step", fake_cuda_step)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    return seen
+
+
+class _Events:
+    def __init__(self):
+        self.lines = []
+
+    def add(self, kind, text):
+        self.lines.append((kind, text))
+
+
+def _setup(groups_of: list[int], *, max_grad_norm=None, guard_params=True, seed=0):
+    """fp32 weights in groups of the given sizes, a torch.optim.AdamW twin, and an engine with every
+    slot placed on the 'device'."""
+    torch.manual_seed(seed)
+    params, groups = [], []
+    for n in groups_of:
+        members = [torch.nn.Parameter(torch.randn(3, 5)) for _ in range(n)]
+        params += members
+        groups.append(members)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW([{"params": g} for g in groups], lr=1e-2, weight_decay=0.01)
+    ref = torch.optim.AdamW([{"params": twins[sum(groups_of[:i]):sum(groups_of[:i + 1])]}
+                             for i in range(len(groups_of))], lr=1e-2, weight_decay=0.01)
+    slots, index = [], 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            slots.append(ParamSlot(param=p, index=index, group=group, name=f"w{index}"))
+            index += 1
+    engine = UpdateEngine(slots, torch.device("cpu"), torch.float32, None, _Events(), max_grad_norm=max_grad_norm,
+                          accumulation_steps=1, seed=0, guard_params=guard_params, placement="device",
+                          distributed=False)
+    engine.channel = _Channel()
+    for s in slots:
+        engine.activate(s)
+    assert all(s.placement == "device" and s.hook is None for s in slots)
+    return engine, opt, ref, params, twins
+
+
+def _grads(params, twins, step, skip=()):
+    g = torch.Generator().manual_seed(100 + step)
+    for i, (p, t) in enumerate(zip(params, twins)):
+        if i in skip:
+            p.grad = t.grad = None
+            continue
+        grad = torch.randn(p.shape, generator=g)
+        p.grad, t.grad = grad.clone(), grad.clone()
+
+
+def _assert_matches(params, twins):
+    for i, (p, t) in enumerate(zip(params, twins)):
+        torch.testing.assert_close(p.detach(), t.detach(), msg=f"parameter {i}")
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_group_edited_between_steps_is_honoured_for_every_slot(launches, clip):
+    engine, opt, ref, params, twins = _setup([4, 3], max_grad_norm=1e9 if clip else None)
+    schedule = [(1e-2, (0.9, 0.999), 0.01), (3e-2, (0.8, 0.99), 0.1), (5e-3, (0.8, 0.99), 0.0)]
+    for step, (lr, betas, wd) in enumerate(schedule):
+        for o in (opt, ref):  # a scheduler editing only the second group
+            o.param_groups[1].update(lr=lr, betas=betas, weight_decay=wd)
+        _grads(params, twins, step)
+        engine.step()
+        ref.step()
+        _assert_matches(params, twins)
+        assert all(p.grad is None for p in params)
+    by_lr = {}
+    for launch in launches:
+        by_lr.setdefault(launch["lr"], 0)
+        by_lr[launch["lr"]] += launch["count"]
+    assert by_lr == {1e-2: 4 * 3 + 3, 3e-2: 3, 5e-3: 3}  # the edited group, all of its slots, each step
+    assert len(launches) == 2 * len(schedule)  # one fused launch per group per step
+    assert [s.step for s in engine.slots] == [3] * 7
+    engine.close()
+
+
+def test_a_bad_value_in_one_group_is_refused_naming_that_group(launches):
+    engine, opt, ref, params, twins = _setup([2, 3])
+    _grads(params, twins, 0)
+    engine.step()
+    ref.step()
+    opt.param_groups[1]["lr"] = float("nan")
+    _grads(params, twins, 1)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"the param group of parameter 2 \(w2\): lr=nan is not valid"):
+        engine.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, params))  # nothing changed, no group
+    assert [s.step for s in engine.slots] == [1] * 5
+    opt.param_groups[1]["lr"] = 1e-2
+    engine.step()  # the same gradients train once the value is fixed
+    ref.step()
+    _assert_matches(params, twins)
+    engine.close()
+
+
+def test_user_edits_and_replaced_storage_are_followed(launches):
+    engine, opt, ref, params, twins = _setup([3])
+    _grads(params, twins, 0)
+    engine.step()
+    ref.step()
+    with torch.no_grad():
+        params[0].mul_(0.5)  # in place: the master follows
+        twins[0].mul_(0.5)
+        fresh = torch.randn(3, 5)
+        params[1].data = fresh.clone()  # new storage: the next update writes there
+        twins[1].data = fresh.clone()
+    for step in (1, 2):
+        _grads(params, twins, step)
+        engine.step()
+        ref.step()
+        _assert_matches(params, twins)
+    assert sum("changed outside the optimizer" in text for _, text in engine.events.lines) == 2
+    engine.close()
+
+
+def test_a_parameter_without_gradient_keeps_its_own_step_count(launches):
+    engine, opt, ref, params, twins = _setup([3])
+    for step, skip in enumerate([(), (1,), (), ()]):
+        _grads(params, twins, step, skip)
+        engine.step()
+        ref.step()
+        _assert_matches(params, twins)
+    assert [s.step for s in engine.slots] == [4, 3, 4]
+    assert sorted(launch["step"] for launch in launches[-2:]) == [3, 4]  # two step counts, two launches
+
+
+def test_loaded_state_is_what_the_next_launch_starts_from(launches):
+    engine, opt, ref, params, twins = _setup([2])
+    for step in range(2):
+        _grads(params, twins, step)
+        engine.step()
+        ref.step()
+    saved = [s.export() for s in engine.slots]
+    for s, state in zip(engine.slots, saved):
+        s.load(7, state["exp_avg"], state["exp_avg_sq"], state["master_param"])
+    for p in twins:
+        ref.state[p]["step"] = torch.tensor(7.0)
+    _grads(params, twins, 2)
+    engine.step()
+    ref.step()
+    assert launches[-1]["step"] == 8
+    _assert_matches(params, twins)
+    assert all(s.state is SlotState.IDLE and s.step == 8 for s in engine.slots)
