@@ -171,7 +171,7 @@ def test_a_bad_value_in_one_group_is_refused_naming_that_group(launches):
 
 
 def test_user_edits_and_replaced_storage_are_followed(launches):
-    engine, opt, ref, params, twins = _setup([3])
+    engine, _opt, ref, params, twins = _setup([3])
     _grads(params, twins, 0)
     engine.step()
     ref.step()
@@ -191,7 +191,7 @@ def test_user_edits_and_replaced_storage_are_followed(launches):
 
 
 def test_a_parameter_without_gradient_keeps_its_own_step_count(launches):
-    engine, opt, ref, params, twins = _setup([3])
+    engine, _opt, ref, params, twins = _setup([3])
     for step, skip in enumerate([(), (1,), (), ()]):
         _grads(params, twins, step, skip)
         engine.step()
@@ -202,7 +202,7 @@ def test_a_parameter_without_gradient_keeps_its_own_step_count(launches):
 
 
 def test_loaded_state_is_what_the_next_launch_starts_from(launches):
-    engine, opt, ref, params, twins = _setup([2])
+    engine, _opt, ref, params, twins = _setup([2])
     for step in range(2):
         _grads(params, twins, step)
         engine.step()
