@@ -215,3 +215,25 @@ def test_a_losing_paging_trial_gives_its_page_pool_back(fake_device, monkeypatch
     assert any("released" in e and "page-locked" in e for e in report["events"])
     arena.check_invariants()
     trainstream.unwrap(model)
+
+
+def test_the_watchdog_keeps_fewer_blocks_before_a_longer_batch_runs(fake_device):
+    """Settled on 4 x 8 tokens; a 4 x 32 batch would save 4x per block: re-chosen before it runs."""
+    device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=3.0)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    _run(model, opt, steps=6)
+    assert policy.tuner.settled
+    kept_before = policy.policy().count("keep")
+    x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(7))
+    model(x).backward()
+    opt.step()
+    opt.zero_grad()
+    events = [e for e in trainstream.memory_report(model)["events"] if "watchdog" in e]
+    assert len(events) == 1 and "128 tokens (4.00x the measured 32)" in events[0]
+    assert policy.policy().count("keep") < kept_before
+    model(torch.randn(4, 8, 32)).backward()  # a shorter batch again: nothing changes back
+    opt.step()
+    assert len([e for e in trainstream.memory_report(model)["events"] if "watchdog" in e]) == 1
+    trainstream.unwrap(model)

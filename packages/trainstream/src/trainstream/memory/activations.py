@@ -195,6 +195,16 @@ class ActivationPolicy:
                     (self.tuner.block_finished if finished else self.tuner.block_started)(index)
             return hook
 
+        def first_block(_module, args, kwargs):
+            # The watchdog: the first block's input says how many tokens this forward carries.
+            if torch.is_grad_enabled():
+                hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+                if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+                    choice = self.tuner.forward_tokens(hidden.numel() // hidden.shape[-1])
+                    if choice is not None:
+                        self._apply(choice)
+
+        self._handles.append(self.blocks[0].register_forward_pre_hook(self._hook(first_block), with_kwargs=True))
         pairs = [(model.register_forward_pre_hook, forward_started),
                  (self.blocks[probe].register_forward_pre_hook, probe_begin),
                  (self.blocks[probe].register_forward_hook, probe_end)]
@@ -204,6 +214,11 @@ class ActivationPolicy:
             hook = EngineHook(fn)
             self._hooks.append(hook)
             self._handles.append(register(hook))
+
+    def _hook(self, fn) -> EngineHook:
+        hook = EngineHook(fn)
+        self._hooks.append(hook)
+        return hook
 
     def _apply(self, choice: Choice, keep_probe: bool = False) -> None:
         """Puts a setting in place (between steps, or for the blocks after the probed one during the

@@ -5,6 +5,11 @@ before they run), ``trial`` (one step per candidate setting, timed with the devi
 at step(); each step's peak corrects the VRAM estimate), ``settled`` (the fastest trial's
 setting, no more synchronizing). The owner, ``ActivationPolicy``, applies each setting between
 steps; this class only measures and decides.
+
+The watchdog (settled): a batch with more tokens than the measured ones saves proportionally more,
+and so does the rest of the step (the output layer, the loss); before such a forward runs, the
+setting is re-chosen for the scaled sizes, keeping fewer blocks in VRAM (it never keeps more again:
+a shorter batch later fits in what a longer one did).
 """
 
 from __future__ import annotations
@@ -133,6 +138,8 @@ class ActivationTuner:
         self._alloc_at_start = 0
         self._trial = 0
         self._marks: dict[int, list] = {}  # block -> [start, end] marks of the current step
+        self.tokens: int | None = None  # tokens per forward the sizes in `measured` were taken at
+        self.base_bytes = 0  # the last measured peak less the kept blocks' activations
 
     @property
     def settled(self) -> bool:
@@ -213,7 +220,8 @@ class ActivationTuner:
             m = self.measured = Measured(**{**m.__dict__, "forward_s": timed})
         if budget is not None and m.block_bytes > 0:
             kept = len(self.current.kept)
-            room = int(budget * (1 - PEAK_MARGIN)) - (peak - kept * m.block_bytes)
+            self.base_bytes = max(0, peak - kept * m.block_bytes)
+            room = int(budget * (1 - PEAK_MARGIN)) - self.base_bytes
             m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room)})
         if self.phase == "measuring":
             # The probe step is not timed (it synchronized at the probed block and grew the page pool).
@@ -259,6 +267,35 @@ class ActivationTuner:
         timings = ", ".join(f"{self.describe(c)} {s * 1e3:.0f} ms" for c, s, _ in self.trials)
         self._event(f"settled: {self.describe(self.current)}" + (f" (measured: {timings})" if timings else ""))
         return self.current
+
+    # ---- watchdog ----------------------------------------------------------------------------
+
+    def forward_tokens(self, tokens: int) -> Choice | None:
+        """Before a forward of `tokens` tokens: the setting to use instead (None: unchanged). Records
+        the first count seen; once settled, a count above the measured one re-chooses for it."""
+        if tokens <= 0:
+            return None
+        if self.tokens is None:
+            self.tokens = tokens
+            return None
+        budget = self.meter.budget()
+        if not self.settled or tokens <= self.tokens or budget is None or self.measured is None:
+            return None
+        scale = tokens / self.tokens
+        m = self.measured
+        base = int(self.base_bytes * scale)
+        grown = Measured(**{**m.__dict__, "block_bytes": int(m.block_bytes * scale),
+                            "room_bytes": max(0, int(budget * (1 - PEAK_MARGIN)) - base)})
+        choice = choose(grown, page=self.page, recompute=self.recompute, paged=len(self.current.paged))
+        before = self.current
+        self.measured, self.base_bytes, self.tokens = grown, base, tokens
+        if len(choice.kept) >= len(before.kept):
+            return None
+        self.current = choice
+        self._event(f"watchdog: a forward of {tokens} tokens ({scale:.2f}x the measured {int(tokens / scale)}) "
+                    f"would save {grown.block_bytes / GiB:.3f} GiB per block: {self.describe(choice)} "
+                    f"(was: {self.describe(before)})")
+        return choice
 
     def describe(self, choice: Choice) -> str:
         return (f"{len(choice.kept)} blocks keep their activations in VRAM, {len(choice.paged)} page them to "
