@@ -177,7 +177,7 @@ def main() -> None:
         return
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "packages/trainstream/src"],
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "packages/trainstream/src/trainstream/engine"],
                            capture_output=True, text=True).stdout.strip()
     print(f"# step_overhead.py  {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     print(f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}")
