@@ -218,3 +218,41 @@ def test_loaded_state_is_what_the_next_launch_starts_from(launches):
     assert launches[-1]["step"] == 8
     _assert_matches(params, twins)
     assert all(s.state is SlotState.IDLE and s.step == 8 for s in engine.slots)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("guard_params", [True, False])
+def test_gradient_memory_reused_right_after_step_does_not_change_the_update(guard_params):
+    """On a GPU: the fused launch's gradients are held (guard) or stream-recorded (no guard) until it
+    has read them; filling fresh same-size tensors with NaN right after step() (the allocator hands
+    back the freed gradient blocks) leaves the training equal to torch's AdamW."""
+    import copy
+
+    from ts_testing import batches, loss_of, max_param_diff, tiny_llama
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import trainstream
+
+    torch.manual_seed(0)
+    model = tiny_llama().cuda()
+    twin = copy.deepcopy(model)
+    ours, opt = trainstream.wrap(model, lr=1e-3, weight_decay=0.0, guard_params=guard_params)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
+    for ids in batches(6, seed=5):
+        ids = ids.cuda()
+        loss_of(ours, ids).backward()
+        loss_of(twin, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        junk = [torch.full_like(p, float("nan")) for p in twin.parameters()]  # reuses freed gradient blocks
+        del junk
+        if not guard_params:
+            ours._trainstream_session.synchronize()
+    ours._trainstream_session.synchronize()
+    slots = ours._trainstream_session.engine.active
+    assert all(s.placement == "device" and s.hook is None for s in slots)
+    assert max_param_diff(ours, twin) < 1e-5
+    trainstream.unwrap(ours)
