@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="LoRA steps per format (default 12)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--formats", default=",".join(r[0] for r in ROWS), help="comma-separated rows to run")

@@ -114,7 +114,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=_positive_int, default=None,
                         help="tokens per sequence (default 128; 32 with --model)")
     parser.add_argument("--lr", type=_positive_float, default=None,
-                        help="AdamW learning rate, > 0 (default 1e-3)")
+                        help="AdamW learning rate, > 0 (default 1e-3; 2e-4 with --model)")
     parser.add_argument("--device", type=_device, default=None,
                         help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--vram-gb", type=_positive_float, default=None,
@@ -130,7 +130,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="write the step times, losses and report here (checked before training)")
     args = parser.parse_args(argv)
     pretrained = args.model is not None
-    for name, default, with_model in (("steps", 30, 24), ("batch", 4, 1), ("seq", 128, 32), ("lr", 1e-3, 1e-3)):
+    for name, default, with_model in (("steps", 30, 24), ("batch", 4, 1), ("seq", 128, 32), ("lr", 1e-3, 2e-4)):
         if getattr(args, name) is None:
             setattr(args, name, with_model if pretrained else default)
     if pretrained and args.size != "auto":
