@@ -3,57 +3,18 @@ CPU, over gloo) train bit for bit like host streaming, and the pool is what serv
 
 from __future__ import annotations
 
-import datetime
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 import trainstream
+from peer_testing import free_port, worker
 from test_weights import _frozen_stack
 from trainstream.memory import peer
-
-STEPS = peer.SETUP_STEP + 3  # the pool serves the last three steps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _train(peer_option):
-    model, opt = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True, peer=peer_option, threads=1)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(STEPS):
-        x = torch.randn(4, 32, generator=g)
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    report = trainstream.memory_report(model)
-    result = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-              "streaming": report["params"]["streaming"], "peer_bytes": report["params"]["peer_bytes"],
-              "events": [e for e in report["events"] if "peer" in e]}
-    trainstream.unwrap(model)  # collective while a pool is in use
-    return result
-
-
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.save({"host": _train(False), "peer": _train("auto")}, f"{out}/rank{rank}.pt")
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_peer_pools_serve_streamed_blocks_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         host, pooled = r["host"], r["peer"]
