@@ -80,7 +80,7 @@ def _gpu_busy_per_step(prof) -> list[float]:
 
 
 def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, warmup: int, top: int,
-                   trace: str | None) -> dict:
+                   trace: str | None, py_profile: bool = False) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cap = None if engine.endswith("-uncapped") else scenario.get("vram_gb")
     if device.type == "cuda" and cap:
@@ -119,11 +119,35 @@ def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, 
                 "us_per_call": a.self_cpu_time_total / max(1, a.count)} for a in ops[:top]]
     # The same steps again without the profiler: its own overhead inflates every host number above.
     plain = [_step(model, opt, batch(), device) for _ in range(steps)]
-    return {"engine": engine, "outcome": "ok", "device": str(device),
+    python_top = _python_profile(model, opt, batch, device, steps, top) if py_profile else None
+    events = []
+    if hasattr(model, "_trainstream_session"):
+        import trainstream
+        events = [line[:200] for line in trainstream.memory_report(model).get("events", [])][-12:]
+    return {"python_top": python_top, "events": events,"engine": engine, "outcome": "ok", "device": str(device),
             "steps": [{"host_s": h, "wall_s": w, "gpu_busy_s": b, "loss": loss}
                       for (h, w, loss), b in zip(rows, busy)],
             "unprofiled": [{"host_s": h, "wall_s": w} for h, w, _ in plain],
             "top_ops": top_ops}
+
+
+def _python_profile(model, opt, batch, device, steps: int, top: int) -> list[str]:
+    """cProfile over whole steps (host side): the top functions by own time, with their call counts,
+    to tell Python bookkeeping from torch's dispatch."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        ids = batch()
+        _sync(device)
+        profiler.enable()
+        _step(model, opt, ids, device)
+        profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return [line for line in out.getvalue().splitlines() if line.strip()][-top - 1:]
 
 
 def report(result: dict) -> None:
@@ -146,6 +170,12 @@ def report(result: dict) -> None:
     for op in result["top_ops"]:
         print(f"  {op['self_cpu_ms']:8.2f} {op['cpu_total_ms']:9.2f} {op['calls'] // max(1, len(result['steps'])):6d} "
               f"{op['us_per_call']:8.1f}  {op['op'][:90]}")
+    if result.get("python_top"):
+        print(f"cProfile over {len(result['steps'])} whole steps, by own time (seconds over all steps):")
+        for line in result["python_top"]:
+            print("  " + line[:150])
+    for line in result.get("events", []):
+        print("  event " + line)
 
 
 def main() -> None:
@@ -160,6 +190,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--trace", default=None, help="chrome trace path (one engine)")
     parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=PYTHON_LITERAL")
+    parser.add_argument("--py-profile", action="store_true", help="also cProfile whole steps (Python's own time)")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: lora-tiny, 32 tokens, few steps")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
@@ -179,7 +210,8 @@ def main() -> None:
         wrap_options[key] = ast.literal_eval(value)
     if args._child:
         (engine,) = engine_names
-        result = profile_engine(engine, scenario, wrap_options, steps, warmup, args.top, args.trace)
+        result = profile_engine(engine, scenario, wrap_options, steps, warmup, args.top, args.trace,
+                                args.py_profile)
         print("RESULT " + json.dumps(result))
         return
     print(f"scenario: {scenario}, {steps} profiled steps after {warmup}, wrap options {wrap_options}")
@@ -189,6 +221,7 @@ def main() -> None:
                "--batch", str(args.batch), "--seq", str(scenario["seq"]), "--vram-gb", str(args.vram_gb),
                "--steps", str(steps), "--warmup", str(warmup), "--top", str(args.top)]
         cmd += [f"--wrap-option={o}" for o in args.wrap_option]
+        cmd += ["--py-profile"] if args.py_profile else []
         if args.trace and len(engine_names) == 1:
             cmd += ["--trace", args.trace]
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,9 +1,10 @@
 """CPU benchmark of the Python work in ``UpdateEngine.step()`` for resident (device-placed) optimizer
 state (issue 13): 672 small bf16 tensors (the LoRA count of a 48-block Qwen2.5-14B), no hooks.
 
-The device path needs CUDA, so this STUBS it: ``ts_adamw.cuda_adamw_step``, ``torch.cuda.Event``,
-``torch.cuda.stream``, ``torch.cuda.device``, ``Tensor.record_stream`` and the channel's stream/event
-calls are monkeypatched no-ops. What is timed is trainstream's own per-step / per-tensor Python work
+The device path needs CUDA, so this STUBS it (tools/bench/_fake_cuda.py): ``ts_adamw.CudaAdamWBatch``,
+``ts_adamw.cuda_adamw_step``, ``torch.cuda.Event``, ``torch.cuda.stream``, ``torch.cuda.device``,
+``Tensor.record_stream`` and the channel's stream/event calls are replaced by no-ops that record
+launches. What is timed is trainstream's own per-step / per-tensor Python work
 (validation, user-edit checks, grouping, argument lists, bookkeeping); the real native call and the
 real CUDA event/record_stream calls cost more on a GPU machine and are not included.
 
@@ -14,7 +15,6 @@ real CUDA event/record_stream calls cost more on a GPU machine and are not inclu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import statistics
@@ -27,78 +27,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _StubEvent:
-    """Stands in for torch.cuda.Event (no-op)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-class _StubStream:
-    cuda_stream = 0
-
-    def wait_event(self, event):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _StubChannel:
-    """Stands in for CudaChannel: no streams, no events."""
-
-    is_cuda = True
-
-    def __init__(self, device):
-        self.device = device
-        self.optimizer = _StubStream()
-
-    def mark_compute(self):
-        return _StubEvent()
-
-    def compute_wait(self, token):
-        pass
-
-    def host_wait(self, token):
-        pass
-
-    def order_compute_after(self, marks, sequence, wait_applied, event=None):
-        wait_applied(sequence)
-
-    def synchronize(self):
-        pass
-
-
-def _stub_cuda(torch, ts_adamw) -> None:
-    """STUBS (no-ops): the CUDA calls of the device update path."""
-    calls = {"launches": 0, "tensors": 0}
-
-    def cuda_adamw_step(params, grads, exp_avgs, exp_avg_sqs, **kwargs):
-        calls["launches"] += 1
-        calls["tensors"] += len(params)
-
-    ts_adamw.cuda_adamw_step = cuda_adamw_step
-    torch.cuda.Event = _StubEvent
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.device = lambda device: contextlib.nullcontext()
-    torch.Tensor.record_stream = lambda self, stream: None
-    return calls
-
-
 def measure(tensors: int, groups: int, steps: int) -> dict:
     import torch
-    import ts_adamw
 
-    calls = _stub_cuda(torch, ts_adamw)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _fake_cuda
+
+    launches = _fake_cuda.install(setattr, apply=False)
     from trainstream.engine import ParamSlot, UpdateEngine
     from trainstream.engine.slots import SlotState
 
@@ -118,7 +53,7 @@ def measure(tensors: int, groups: int, steps: int) -> dict:
         slots.append(ParamSlot(param=p, index=i, group=g, name=f"p{i}"))
     engine = UpdateEngine(slots, torch.device("cpu"), torch.float32, None, Events(), max_grad_norm=None,
                           accumulation_steps=1, seed=0, guard_params=True, placement="device", distributed=False)
-    engine.channel = _StubChannel(torch.device("cpu"))
+    engine.channel = _fake_cuda.FakeChannel(torch.device("cpu"))
     for s in slots:
         engine.activate(s)
     assert all(s.placement == "device" and s.hook is None and s.state is SlotState.IDLE for s in slots)
@@ -134,7 +69,7 @@ def measure(tensors: int, groups: int, steps: int) -> dict:
     times = times[3:]  # warm-up (first launch builds whatever is cached)
     median = statistics.median(times)
     return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "per_tensor_us": median / tensors * 1e6,
-            "launches_per_step": calls["launches"] / (steps + 3), "tensors": tensors, "groups": groups}
+            "launches_per_step": len(launches) / (steps + 3), "tensors": tensors, "groups": groups}
 
 
 def _report(label: str, r: dict) -> str:
@@ -182,7 +117,7 @@ def main() -> None:
     print(f"# step_overhead.py  {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     print(f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}")
     print(f"# command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print("# STUBBED (no-ops): ts_adamw.cuda_adamw_step, torch.cuda.Event/stream/device, Tensor.record_stream, "
+    print("# STUBBED (no-ops): ts_adamw.CudaAdamWBatch.step/cuda_adamw_step, torch.cuda.Event/stream/device, Tensor.record_stream, "
           "the channel's stream waits. Timed: trainstream's Python work in UpdateEngine.step().")
     if args.baseline:
         with tempfile.TemporaryDirectory() as tmp:

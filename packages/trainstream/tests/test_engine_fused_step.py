@@ -6,76 +6,30 @@ gets (hyper-parameters read at step(), per group), which weights it writes (user
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
+import pathlib
 
 import pytest
 import torch
-import ts_adamw
 from trainstream.engine import ParamSlot, SlotState, UpdateEngine
 
-REAL_ADAMW_STEP = ts_adamw.adamw_step
+
+def _load_fake_cuda():
+    """tools/bench/_fake_cuda.py (shared with tools/bench/step_overhead.py), by path."""
+    path = pathlib.Path(__file__).resolve().parents[3] / "tools" / "bench" / "_fake_cuda.py"
+    spec = importlib.util.spec_from_file_location("trainstream_fake_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def wait_event(self, event):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _Channel:
-    is_cuda = True
-
-    def __init__(self):
-        self.device = torch.device("cpu")
-        self.optimizer = _Stream()
-
-    def mark_compute(self):
-        return _Event()
-
-    def compute_wait(self, token):
-        pass
-
-    def host_wait(self, token):
-        pass
-
-    def order_compute_after(self, marks, sequence, wait_applied, event=None):
-        wait_applied(sequence)
-
-    def synchronize(self):
-        pass
+fake_cuda = _load_fake_cuda()
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """Fake CUDA: each fused launch is recorded (its kwargs and tensor count) and applied on the host."""
-    seen = []
-
-    def fake_cuda_step(params, grads, exp_avgs, exp_avg_sqs, *, params_out, stream, keys, seed, **kwargs):
-        seen.append({"count": len(params), "keys": list(keys), **kwargs})
-        for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, params_out):
-            REAL_ADAMW_STEP(p, g.detach().reshape(-1), m, v, param_out=out, seed=seed, **kwargs)
-
-    monkeypatch.setattr(ts_adamw, "cuda_adamw_step", fake_cuda_step)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
-    return seen
+    return fake_cuda.install(monkeypatch.setattr, apply=True)
 
 
 class _Events:
@@ -107,7 +61,7 @@ def _setup(groups_of: list[int], *, max_grad_norm=None, guard_params=True, seed=
     engine = UpdateEngine(slots, torch.device("cpu"), torch.float32, None, _Events(), max_grad_norm=max_grad_norm,
                           accumulation_steps=1, seed=0, guard_params=guard_params, placement="device",
                           distributed=False)
-    engine.channel = _Channel()
+    engine.channel = fake_cuda.FakeChannel()
     for s in slots:
         engine.activate(s)
     assert all(s.placement == "device" and s.hook is None for s in slots)
@@ -237,7 +191,8 @@ def test_gradient_memory_reused_right_after_step_does_not_change_the_update(guar
     torch.manual_seed(0)
     model = tiny_llama().cuda()
     twin = copy.deepcopy(model)
-    ours, opt = trainstream.wrap(model, lr=1e-3, weight_decay=0.0, guard_params=guard_params)
+    ours, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0),
+                                 guard_params=guard_params)
     ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
     for ids in batches(6, seed=5):
         ids = ids.cuda()

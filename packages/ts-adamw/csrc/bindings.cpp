@@ -135,6 +135,18 @@ void step_cuda(const Arrays& params, const Arrays& grads, const Arrays& ms, cons
               stream);
 }
 
+std::unique_ptr<PreparedCudaStep> prepare_cuda(Arrays params, Arrays ms, Arrays vs, Arrays outs,
+                                               const std::vector<uint32_t>& slots, const std::vector<int>& grad_kinds) {
+    return std::make_unique<PreparedCudaStep>(
+        prepare_cuda_step(std::move(params), std::move(ms), std::move(vs), std::move(outs), slots, grad_kinds));
+}
+
+void launch_prepared(const PreparedCudaStep& step, const std::vector<uintptr_t>& grads, double lr, double beta1,
+                     double beta2, double eps, double wd, int64_t n, bool maximize, double grad_scale, uint64_t seed,
+                     uintptr_t stream) {
+    step.launch(grads, make_args(lr, beta1, beta2, eps, wd, n, maximize, grad_scale, seed), stream);
+}
+
 double squares(const Arrays& tensors, int threads) {
     TS_CHECK_ARG(threads >= 0, "sum_of_squares: threads=", threads, " must be >= 1 (or None for the whole pool)");
     std::vector<NormSegment> segments;
@@ -224,6 +236,16 @@ NB_MODULE(_core, m) {
                step_args(nb::arg("threads"), nb::arg("keepalive")));
     std::apply([&](auto&&... a) { m.def("cuda_step", &step_cuda, a..., "Multi-tensor AdamW kernel on `stream`."); },
                step_args(nb::arg("stream")));
+    nb::class_<PreparedCudaStep>(m, "PreparedCudaStep",
+                                 "The checked state of a fused CUDA AdamW over a fixed parameter set (see "
+                                 "ts_adamw.CudaAdamWBatch); launch() takes the gradients as device addresses.")
+        .def("launch", &launch_prepared, nb::arg("grads"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
+             nb::arg("eps"), nb::arg("weight_decay"), nb::arg("step"), nb::arg("maximize"), nb::arg("grad_scale"),
+             nb::arg("seed"), nb::arg("stream"), "Enqueues one step on `stream` (never syncs).")
+        .def_prop_ro("count", [](const PreparedCudaStep& s) { return s.prepared.plan.segments.size(); });
+    m.def("prepare_cuda_step", &prepare_cuda, nb::arg("params").noconvert(), nb::arg("exp_avgs").noconvert(),
+          nb::arg("exp_avg_sqs").noconvert(), nb::arg("params_out").noconvert(), nb::arg("slots"),
+          nb::arg("grad_kinds"), "Checks and places the state tensors of a CudaAdamWBatch once.");
     m.def("sum_of_squares", &squares, nb::arg("tensors").noconvert(), nb::arg("threads"),
           "Sum of x*x over CPU tensors (fp64 result, deterministic for any thread count).");
     m.def("host_isa", [] { return std::string(isa_name(active_isa())); }, "SIMD variant the host kernels use.");

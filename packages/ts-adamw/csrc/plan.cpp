@@ -104,7 +104,7 @@ void check_no_alias(const char* fn, const Plan& plan, size_t count) {
             spans.push_back({begin, begin + bytes * size_t(s.n), written, i, list, one});
         };
         add(s.param, 4, true, "params", "param");
-        add(s.grad, kind_bytes(s.grad_kind), false, "grads", "grad");
+        if (s.grad != nullptr) add(s.grad, kind_bytes(s.grad_kind), false, "grads", "grad");
         add(s.exp_avg, mb, true, "exp_avgs", "exp_avg");
         add(s.exp_avg_sq, mb, true, "exp_avg_sqs", "exp_avg_sq");
         if (s.out != nullptr) add(s.out, kind_bytes(s.out_kind), true, "params_out", "param_out");
@@ -132,65 +132,152 @@ void check_no_alias(const char* fn, const Plan& plan, size_t count) {
 
 }  // namespace
 
+namespace {
+
+// Checks one parameter's state tensors and places them; the gradient is left out (nullptr).
+Segment state_segment(const char* fn, size_t i, const AnyArray& p, const AnyArray& m, const AnyArray& v,
+                      const AnyArray* out, const PlaceFn& place, Kind& moment_kind) {
+    const std::string p_name = item("params", i), m_name = item("exp_avgs", i), v_name = item("exp_avg_sqs", i);
+    TS_CHECK_ARG(kind_of(p) == Kind::f32, fn, ": ", p_name, " is ", kind_name(kind_of(p)),
+                 "; parameters (master weights) must be float32");
+    const int64_t n = int64_t(p.size());
+    check_tensor(fn, p, p_name, n);
+    Kind mk = kind_of(m), vk = kind_of(v);
+    TS_CHECK_ARG((mk == Kind::f32 || mk == Kind::bf16) && mk == vk, fn, ": ", m_name, " is ", kind_name(mk),
+                 " and ", v_name, " is ", kind_name(vk), "; moments must be both float32 or both bfloat16");
+    if (i == 0) moment_kind = mk;
+    TS_CHECK_ARG(mk == moment_kind, fn, ": ", m_name, " is ", kind_name(mk), " but exp_avgs[0] is ",
+                 kind_name(moment_kind), "; one call takes one moment dtype");
+    check_tensor(fn, m, m_name, n);
+    check_tensor(fn, v, v_name, n);
+    Segment s{};
+    s.n = n;
+    s.grad = nullptr;
+    s.grad_kind = Kind::none;
+    s.param = static_cast<float*>(place(p, p_name.c_str()));
+    s.exp_avg = place(m, m_name.c_str());
+    s.exp_avg_sq = place(v, v_name.c_str());
+    s.out_kind = Kind::none;
+    s.out = nullptr;
+    if (out != nullptr) {
+        const std::string o_name = item("params_out", i);
+        s.out_kind = kind_of(*out);
+        TS_CHECK_ARG(s.out_kind != Kind::none, fn, ": ", o_name, " is ", kind_name(s.out_kind),
+                     "; params_out must be bfloat16, float16 or float32");
+        check_tensor(fn, *out, o_name, n);
+        s.out = place(*out, o_name.c_str());
+    }
+    return s;
+}
+
+void check_counts(const char* fn, size_t count, size_t ms, size_t vs, size_t outs, size_t slots) {
+    TS_CHECK_ARG(ms == count && vs == count, fn, ": got ", count, " params, ", ms, " exp_avgs and ", vs,
+                 " exp_avg_sqs; pass one of each per parameter");
+    TS_CHECK_ARG(outs == 0 || outs == count, fn, ": params_out has ", outs, " tensors for ", count,
+                 " params; pass one per parameter or None");
+    TS_CHECK_ARG(slots == 0 || slots == count, fn, ": slots has ", slots, " entries for ", count, " params");
+}
+
+void assign_keys(Plan& plan, const std::vector<uint32_t>& slots) {
+    for (size_t i = 0; i < plan.segments.size(); ++i)
+        plan.segments[i].key = tensor_key(plan.hyper.seed_key, slots.empty() ? uint32_t(i) : slots[i]);
+}
+
+}  // namespace
+
 Plan build_plan(const char* fn, const std::vector<AnyArray>& params, const std::vector<AnyArray>& grads,
                 const std::vector<AnyArray>& exp_avgs, const std::vector<AnyArray>& exp_avg_sqs,
                 const std::vector<AnyArray>& outs, const std::vector<uint32_t>& slots, const StepArgs& args,
                 const PlaceFn& place) {
     check_args(fn, args);
     const size_t count = params.size();
-    TS_CHECK_ARG(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count, fn,
-                 ": got ", count, " params, ", grads.size(), " grads, ", exp_avgs.size(), " exp_avgs and ",
-                 exp_avg_sqs.size(), " exp_avg_sqs; pass one of each per parameter");
-    TS_CHECK_ARG(outs.empty() || outs.size() == count, fn, ": params_out has ", outs.size(),
-                 " tensors for ", count, " params; pass one per parameter or None");
-    TS_CHECK_ARG(slots.empty() || slots.size() == count, fn, ": slots has ", slots.size(), " entries for ",
-                 count, " params");
+    TS_CHECK_ARG(grads.size() == count, fn, ": got ", count, " params and ", grads.size(),
+                 " grads; pass one of each per parameter");
+    check_counts(fn, count, exp_avgs.size(), exp_avg_sqs.size(), outs.size(), slots.size());
     Plan plan;
     plan.hyper = make_hyper(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
                             args.maximize, args.grad_scale, args.seed);
     plan.segments.reserve(count);
     for (size_t i = 0; i < count; ++i) {
-        const std::string p_name = item("params", i), g_name = item("grads", i);
-        const std::string m_name = item("exp_avgs", i), v_name = item("exp_avg_sqs", i);
-        const AnyArray& p = params[i];
-        TS_CHECK_ARG(kind_of(p) == Kind::f32, fn, ": ", p_name, " is ", kind_name(kind_of(p)),
-                     "; parameters (master weights) must be float32");
-        const int64_t n = int64_t(p.size());
-        check_tensor(fn, p, p_name, n);
-        Kind gk = kind_of(grads[i]);
-        TS_CHECK_ARG(gk != Kind::none, fn, ": ", g_name, " is ", kind_name(gk),
+        Segment s = state_segment(fn, i, params[i], exp_avgs[i], exp_avg_sqs[i], outs.empty() ? nullptr : &outs[i],
+                                  place, plan.moment_kind);
+        const std::string g_name = item("grads", i);
+        s.grad_kind = kind_of(grads[i]);
+        TS_CHECK_ARG(s.grad_kind != Kind::none, fn, ": ", g_name, " is ", kind_name(s.grad_kind),
                      "; gradients must be float32, bfloat16 or float16");
-        check_tensor(fn, grads[i], g_name, n);
-        Kind mk = kind_of(exp_avgs[i]), vk = kind_of(exp_avg_sqs[i]);
-        TS_CHECK_ARG((mk == Kind::f32 || mk == Kind::bf16) && mk == vk, fn, ": ", m_name, " is ", kind_name(mk),
-                     " and ", v_name, " is ", kind_name(vk), "; moments must be both float32 or both bfloat16");
-        if (i == 0) plan.moment_kind = mk;
-        TS_CHECK_ARG(mk == plan.moment_kind, fn, ": ", m_name, " is ", kind_name(mk), " but exp_avgs[0] is ",
-                     kind_name(plan.moment_kind), "; one call takes one moment dtype");
-        check_tensor(fn, exp_avgs[i], m_name, n);
-        check_tensor(fn, exp_avg_sqs[i], v_name, n);
-        Segment s{};
-        s.n = n;
-        s.grad_kind = gk;
-        s.param = static_cast<float*>(place(p, p_name.c_str()));
+        check_tensor(fn, grads[i], g_name, s.n);
         s.grad = place(grads[i], g_name.c_str());
-        s.exp_avg = place(exp_avgs[i], m_name.c_str());
-        s.exp_avg_sq = place(exp_avg_sqs[i], v_name.c_str());
-        s.out_kind = Kind::none;
-        s.out = nullptr;
-        if (!outs.empty()) {
-            const std::string o_name = item("params_out", i);
-            s.out_kind = kind_of(outs[i]);
-            TS_CHECK_ARG(s.out_kind != Kind::none, fn, ": ", o_name, " is ", kind_name(s.out_kind),
-                         "; params_out must be bfloat16, float16 or float32");
-            check_tensor(fn, outs[i], o_name, n);
-            s.out = place(outs[i], o_name.c_str());
-        }
-        s.key = tensor_key(plan.hyper.seed_key, slots.empty() ? uint32_t(i) : slots[i]);
         plan.segments.push_back(s);
     }
+    assign_keys(plan, slots);
     check_no_alias(fn, plan, count);
     return plan;
+}
+
+PreparedPlan prepare_plan(const char* fn, const std::vector<AnyArray>& params, const std::vector<AnyArray>& exp_avgs,
+                          const std::vector<AnyArray>& exp_avg_sqs, const std::vector<AnyArray>& outs,
+                          const std::vector<uint32_t>& slots, const std::vector<int>& grad_kinds,
+                          const PlaceFn& place) {
+    const size_t count = params.size();
+    check_counts(fn, count, exp_avgs.size(), exp_avg_sqs.size(), outs.size(), slots.size());
+    TS_CHECK_ARG(grad_kinds.size() == count, fn, ": ", grad_kinds.size(), " gradient dtypes for ", count,
+                 " params");
+    PreparedPlan prepared;
+    prepared.slots = slots;
+    prepared.plan.segments.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+        const Kind gk = Kind(grad_kinds[i]);
+        TS_CHECK_ARG(gk == Kind::f32 || gk == Kind::bf16 || gk == Kind::f16, fn, ": the gradient dtype of params[",
+                     i, "] must be float32, bfloat16 or float16");
+        prepared.grad_kinds.push_back(gk);
+        prepared.plan.segments.push_back(state_segment(fn, i, params[i], exp_avgs[i], exp_avg_sqs[i],
+                                                       outs.empty() ? nullptr : &outs[i], place,
+                                                       prepared.plan.moment_kind));
+    }
+    check_no_alias(fn, prepared.plan, count);  // the written buffers among themselves (no gradients yet)
+    const size_t mb = kind_bytes(prepared.plan.moment_kind);
+    for (const Segment& s : prepared.plan.segments) {
+        if (s.n == 0) continue;
+        auto add = [&](const void* ptr, size_t bytes) {
+            const auto begin = reinterpret_cast<uintptr_t>(ptr);
+            prepared.written.emplace_back(begin, begin + bytes * size_t(s.n));
+        };
+        add(s.param, 4);
+        add(s.exp_avg, mb);
+        add(s.exp_avg_sq, mb);
+        if (s.out != nullptr) add(s.out, kind_bytes(s.out_kind));
+    }
+    std::sort(prepared.written.begin(), prepared.written.end());
+    return prepared;
+}
+
+Plan PreparedPlan::with_grads(const char* fn, const std::vector<uintptr_t>& grads, const StepArgs& args) const {
+    check_args(fn, args);
+    TS_CHECK_ARG(grads.size() == plan.segments.size(), fn, ": got ", grads.size(), " gradients for ",
+                 plan.segments.size(), " prepared parameters");
+    Plan out = plan;
+    out.hyper = make_hyper(args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step, args.maximize,
+                           args.grad_scale, args.seed);
+    for (size_t i = 0; i < grads.size(); ++i) {
+        Segment& s = out.segments[i];
+        s.grad_kind = grad_kinds[i];
+        s.grad = reinterpret_cast<const void*>(grads[i]);
+        if (s.n == 0) continue;
+        const size_t bytes = kind_bytes(s.grad_kind);
+        TS_CHECK_ARG(grads[i] != 0 && grads[i] % bytes == 0, fn, ": grads[", i, "] is not a valid address of ",
+                     kind_name(s.grad_kind), " elements");
+        const uintptr_t begin = grads[i], end = begin + bytes * size_t(s.n);
+        // The first written range ending after `begin` is the only one that can overlap it (disjoint, sorted).
+        auto hit = std::upper_bound(written.begin(), written.end(), begin,
+                                    [](uintptr_t value, const std::pair<uintptr_t, uintptr_t>& r) {
+                                        return value < r.second;
+                                    });
+        TS_CHECK_ARG(hit == written.end() || hit->first >= end, fn, ": grads[", i,
+                     "] shares memory with a master weight, moment or params_out buffer of this batch; pass a "
+                     "distinct gradient buffer");
+    }
+    assign_keys(out, slots);
+    return out;
 }
 
 }  // namespace ts_adamw

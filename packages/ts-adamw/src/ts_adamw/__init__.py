@@ -3,7 +3,7 @@
 import atexit
 
 from . import _core
-from ._cuda import cuda_adamw_step
+from ._cuda import CudaAdamWBatch, cuda_adamw_step
 from ._functional import HostAdamW, StepHandle, adamw_step, adamw_step_async, sum_of_squares
 from ._optimizer import AdamW
 
@@ -53,6 +53,7 @@ def streaming_stores() -> str:
 
 __all__ = [
     "AdamW",
+    "CudaAdamWBatch",
     "HostAdamW",
     "StepHandle",
     "adamw_step",

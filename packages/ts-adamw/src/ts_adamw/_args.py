@@ -49,7 +49,11 @@ def thread_count(threads: int | None) -> int:
 def bump_versions(tensors: Iterable[torch.Tensor | None]) -> None:
     """Marks tensors the native code wrote as modified in place, as torch's own in-place ops do, so autograd
     refuses a backward that would read a saved tensor's new value."""
-    live = [t for t in tensors if t is not None and not t.is_inference()]
+    increment_versions([t for t in tensors if t is not None and not t.is_inference()])
+
+
+def increment_versions(live: list[torch.Tensor]) -> None:
+    """``bump_versions`` for a list already free of None and inference tensors."""
     try:
         torch.autograd.graph.increment_version(live)
     except TypeError:  # torch < 2.6 takes one tensor at a time

@@ -109,6 +109,7 @@ class DeviceBatch:
         "contiguous",
         "exp_avg_sqs",
         "exp_avgs",
+        "fused",
         "group",
         "keys",
         "masters",
@@ -132,6 +133,15 @@ class DeviceBatch:
         self.ptrs = [p.data_ptr() for p in self.params]
         self.contiguous = all(p.is_contiguous() for p in self.params)
         self.changes = ParamSlot.buffer_changes
+        self.fused = None  # the prepared kernel arguments (ts_adamw.CudaAdamWBatch), made at the first launch
+
+    def launch(self, grads: list[torch.Tensor], kwargs: dict, stream) -> None:
+        """One fused AdamW over the batch on `stream`: only the gradients' addresses cross per step."""
+        if self.fused is None:
+            self.fused = ts_adamw.CudaAdamWBatch(self.masters, self.exp_avgs, self.exp_avg_sqs, params_out=self.outs,
+                                                 keys=self.keys, grad_dtypes=[p.dtype for p in self.params])
+        self.fused.step(grads, stream=stream.cuda_stream, **kwargs)
+        self.step += 1
 
     def valid(self) -> bool:
         """False once any slot got new buffers or a loaded step, or the steps moved apart."""
@@ -156,10 +166,7 @@ def launch_batches(batches: list[DeviceBatch], grads: list[list[torch.Tensor]], 
     stream.wait_event(after)
     with torch.cuda.device(channel.device), torch.cuda.stream(stream):
         for batch, batch_grads in zip(batches, grads):
-            ts_adamw.cuda_adamw_step(batch.masters, batch_grads, batch.exp_avgs, batch.exp_avg_sqs,
-                                     params_out=batch.outs, stream=stream.cuda_stream, keys=batch.keys,
-                                     **hypers[id(batch.group)].device_kwargs(batch.step + 1))
-            batch.step += 1
+            batch.launch(batch_grads, hypers[id(batch.group)].device_kwargs(batch.step + 1), stream)
             if record_streams:
                 for grad in batch_grads:
                     grad.record_stream(stream)
