@@ -45,15 +45,17 @@ def local_batch(step: int, micro: int, rank: int, world: int) -> tuple[torch.Ten
 
 
 def train_steps(model, optimizer, steps, rank: int, world: int, accumulation: int = 1, start: int = 0,
-                clip: float | None = None, on_step=None) -> None:
+                clip: float | None = None, on_step=None, after_backward=None) -> None:
     """`steps` optimizer steps on this rank's share of the global batches. `clip`: torch's clipping
-    (for a stock optimizer); a wrapped one clips itself."""
+    (for a stock optimizer); a wrapped one clips itself. `after_backward(step)`: before each step()."""
     device = next(model.parameters()).device
     for step in range(start, steps):
         for micro in range(accumulation):
             x, y = (t.to(device) for t in local_batch(step, micro, rank, world))
             loss = torch.nn.functional.mse_loss(model(x), y) / accumulation
             loss.backward()
+        if after_backward is not None:
+            after_backward(step)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
@@ -62,19 +64,65 @@ def train_steps(model, optimizer, steps, rank: int, world: int, accumulation: in
             on_step(step + 1)
 
 
+class Branchy(torch.nn.Module):
+    """make_model() and a branch that only some samples take (``BRANCH_TAKEN``): at step 1 only rank
+    0's share takes it (no gradient for it on the other ranks), at step 3 no sample does (none anywhere)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.net = make_model(seed)
+        self.branch = torch.nn.Linear(8, 4)
+
+    def forward(self, x, take):
+        out = self.net(x)
+        if take.numel():
+            out = out.index_add(0, take, self.branch(x[take]))
+        return out
+
+
+BRANCH_TAKEN = {1: [0, 1], 3: []}  # the global samples that take the branch at a step (otherwise all)
+
+
+def branch_run(model, optimizer, rank: int, world: int, on_step=None) -> None:
+    n = GLOBAL // world
+    for step in range(STEPS):
+        x, y = local_batch(step, 0, rank, world)
+        taken = BRANCH_TAKEN.get(step, range(GLOBAL))
+        take = torch.tensor([i - rank * n for i in taken if rank * n <= i < (rank + 1) * n], dtype=torch.long)
+        torch.nn.functional.mse_loss(model(x, take), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if on_step is not None:
+            on_step(step + 1)
+
+
+HAND_SET_STEPS = 7
+
+
+def hand_set(model, step: int) -> None:
+    """Gradients changed by hand between backward and step(): in place at step 2, replaced at step 5
+    (both while the reductions started during backward are armed)."""
+    if step == 2:
+        model[0].weight.grad.mul_(0.5)
+    elif step == 5:
+        model[2].bias.grad = model[2].bias.grad * 2
+
+
 def weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 # ---- scenarios (run on every rank) ------------------------------------------------------------
 
-def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None, with_model=True):
+def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None, with_model=True,
+           overlap=True):
     import trainstream
     import trainstream.distributed
 
     model = make_model(seed=rank).to(_DEVICE)  # rank 0's weights reach every rank at wrap()
     model, optimizer = trainstream.wrap(model, make_optimizer(model), max_grad_norm=clip,
                                         accumulation_steps=accumulation, threads=1)
+    model._trainstream_session.engine.step_hook.overlap = overlap
     start = 0
     if resume is not None:
         saved = torch.load(resume, weights_only=True)
@@ -107,6 +155,38 @@ def unfreeze_run(model, optimizer, rank: int, world: int) -> None:
     train_steps(model, optimizer, 2, rank, world)
     model[4].weight.requires_grad_(True)
     train_steps(model, optimizer, STEPS, rank, world, start=2)
+
+
+def _dp(model):
+    return model._trainstream_session.engine.step_hook
+
+
+def _overlap_run(rank, world, out, *, what):
+    """The overlap's fallback cases, with 512-byte buckets (several per rank); the overlap counters
+    of every step in ``"per_step"``."""
+    import trainstream
+
+    model = Branchy(seed=rank) if what == "unused" else make_model(seed=rank)
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1,
+                                        accumulation_steps=2 if what == "mid_window" else 1)
+    dp = _dp(model)
+    dp.bucket_bytes = 512
+    per_step = []
+
+    def on_step(done):
+        per_step.append(dp.report()["overlap"]["last_step"])
+
+    if what == "unused":
+        branch_run(model, optimizer, rank, world, on_step=on_step)
+    elif what == "mid_window":  # accumulation_steps=2 declared, step() after every backward
+        train_steps(model, optimizer, STEPS, rank, world, on_step=on_step)
+    else:
+        train_steps(model, optimizer, HAND_SET_STEPS, rank, world, on_step=on_step,
+                    after_backward=lambda step: hand_set(model, step))
+    result = {"weights": weights(model), "per_step": per_step, "report": dp.report(),
+              "events": trainstream.memory_report(model)["events"]}
+    trainstream.unwrap(model)
+    return result
 
 
 def _unfreeze(rank, world, out):
@@ -171,6 +251,10 @@ SCENARIOS = {
     "clip": lambda r, w, o: _train(r, w, o, clip=0.05),
     "accumulate": lambda r, w, o: _train(r, w, o, accumulation=2),
     "accumulate_clip": lambda r, w, o: _train(r, w, o, clip=0.05, accumulation=2),
+    "no_overlap": lambda r, w, o: _train(r, w, o, clip=0.05, accumulation=2, overlap=False),
+    "unused": lambda r, w, o: _overlap_run(r, w, o, what="unused"),
+    "mid_window": lambda r, w, o: _overlap_run(r, w, o, what="mid_window"),
+    "hand_set": lambda r, w, o: _overlap_run(r, w, o, what="hand_set"),
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
     "unfreeze": _unfreeze,

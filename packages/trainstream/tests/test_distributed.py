@@ -1,7 +1,8 @@
 """Data parallel on the CPU with gloo: 2 and 3 spawned ranks train exactly like one process on the
 global batch (plain, clipping, accumulation with clipping), each keeps its share of the optimizer
 state, checkpoints move between world sizes, and mismatched models or a dead rank give errors on
-every rank instead of a hang. Each world size is one spawn running every scenario (distributed_testing)."""
+every rank instead of a hang. Gradient reductions start during backward (and the cases where they
+cannot be used are redone at step(), training the same). Each world size is one spawn running every scenario (distributed_testing)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import torch.distributed as dist
 import trainstream
 import trainstream.distributed as tsd
 from distributed_testing import (
+    HAND_SET_STEPS,
     SAVE_AT,
     STEPS,
+    Branchy,
+    branch_run,
+    hand_set,
     make_model,
     make_optimizer,
     run_ranks,
@@ -23,6 +28,7 @@ from distributed_testing import (
 
 TOL = 1e-6
 TRAINING = ["plain", "clip", "accumulate", "accumulate_clip"]
+OVERLAP = ["no_overlap", "unused"]  # on 2 and 3 ranks
 OPTIONS = {"plain": {}, "clip": {"clip": 0.05}, "accumulate": {"accumulation": 2},
            "accumulate_clip": {"clip": 0.05, "accumulation": 2}}
 
@@ -34,12 +40,13 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(out):
-    return run_ranks(2, [*TRAINING, "unfreeze", "forced_off", "mismatch_shape", "mismatch_settings"], out)
+    return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "unfreeze", "forced_off", "mismatch_shape",
+                         "mismatch_settings"], out)
 
 
 @pytest.fixture(scope="module")
 def three(out, two):  # `two` wrote the checkpoint that "resume" loads
-    return run_ranks(3, [*TRAINING, "resume", "resume_optimizer_only", "rank_dies"], out)
+    return run_ranks(3, [*TRAINING, *OVERLAP, "resume", "resume_optimizer_only", "rank_dies"], out)
 
 
 def _reference(clip=None, accumulation=1) -> dict:
@@ -178,3 +185,77 @@ def test_wrap_refuses_a_distributed_value_that_is_not_a_switch():
 
     with pytest.raises(ValueError, match="distributed='yes' is not valid"):
         trainstream.wrap(make_model(), make_optimizer(make_model()), distributed="yes")
+
+
+# ---- reductions started during backward -------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_starts_the_reductions_during_backward(two, three, world):
+    runs = two if world == 2 else three
+    for scenario in TRAINING:
+        for rank in range(world):
+            overlap = _result(runs, scenario, rank)["distributed"]["overlap"]
+            last = overlap["last_step"]
+            assert overlap["enabled"] and overlap["armed"], (scenario, rank, overlap)
+            # Armed after the first step; from then on every bucket starts in backward, none at step().
+            assert last["overlapped"] and last["buckets_in_backward"] > 0 and last["buckets_at_step"] == 0
+            assert overlap["buckets_in_backward"] == (STEPS - 1) * last["buckets_in_backward"], overlap
+            assert overlap["buckets_at_step"] == 0 and overlap["dropped_steps"] == 0, overlap
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_with_or_without_overlap_the_weights_are_the_same_bits(two, three, world):
+    runs = two if world == 2 else three
+    for rank in range(world):
+        off = _result(runs, "no_overlap", rank)
+        assert off["distributed"]["overlap"]["buckets_in_backward"] == 0
+        assert not off["distributed"]["overlap"]["armed"]
+        assert _max_diff(off["weights"], _result(runs, "accumulate_clip", rank)["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_parameter_without_gradient_on_some_ranks_trains_like_one_process(two, three, world):
+    runs = two if world == 2 else three
+    model = Branchy()
+    branch_run(model, make_optimizer(model), 0, 1)
+    reference = weights(model)
+    per_rank = [_result(runs, "unused", rank) for rank in range(world)]
+    for rank, result in enumerate(per_rank):
+        assert _max_diff(result["weights"], reference) <= TOL
+        steps = result["per_step"]
+        # Step 1: only rank 0's share takes the branch; the other ranks start the branch's bucket and
+        # the ones after it at step(), with zeros, and the reductions are used. Step 3: no rank has
+        # the branch's gradient: the reductions are dropped and redone without it.
+        assert [s["overlapped"] for s in steps] == [False, True, True, False, False], steps
+        assert [s["dropped"] for s in steps] == [False, False, False, True, False], steps
+        assert steps[2]["buckets_at_step"] == 0 and steps[2]["buckets_in_backward"] > 0
+        if rank == 0:
+            assert steps[1]["buckets_at_step"] == 0
+        else:
+            assert steps[1]["buckets_at_step"] > 0 and steps[1]["buckets_in_backward"] < steps[2]["buckets_in_backward"]
+        assert steps[3]["buckets_at_step"] > 0
+        assert any("no gradient on any rank" in line for line in result["events"])
+
+
+def test_a_step_before_the_accumulation_window_completes_reduces_at_step(two):
+    reference = _reference()
+    for rank in range(2):
+        result = _result(two, "mid_window", rank)  # accumulation_steps=2, step() after each backward
+        assert _max_diff(result["weights"], reference) <= TOL
+        assert all(s["buckets_in_backward"] == 0 for s in result["per_step"]), result["per_step"]
+        assert all(s["overlapped"] and s["buckets_at_step"] > 0 for s in result["per_step"][1:])
+
+
+def test_gradients_changed_by_hand_after_backward_are_the_ones_reduced(two):
+    model = make_model()
+    train_steps(model, make_optimizer(model), HAND_SET_STEPS, 0, 1, after_backward=lambda step: hand_set(model, step))
+    reference = weights(model)
+    for rank in range(2):
+        result = _result(two, "hand_set", rank)
+        assert _max_diff(result["weights"], reference) <= TOL
+        steps = result["per_step"]
+        # Dropped at step 2 (edited in place) and 5 (replaced); after a drop, 2 steps without overlap.
+        assert [s["dropped"] for s in steps] == [False, False, True, False, False, True, False], steps
+        assert [s["overlapped"] for s in steps] == [False, True, False, False, False, False, False], steps
+        assert steps[2]["buckets_in_backward"] > 0 and steps[5]["buckets_in_backward"] > 0
+        assert any("changed or replaced after they were copied" in line for line in result["events"])

@@ -2,8 +2,9 @@
 
 ``sharding`` decides who owns what (pure, the same on every rank); ``checks`` makes sure every rank
 wraps the same model; ``collectives`` runs the bounded collectives; ``data_parallel`` is the update
-engine's step hook that reduces gradients to their owners, lets only the owners keep fp32 master
-weights and moments and run AdamW, and broadcasts the new weights. ``setup`` is what the engine
+engine's step hook that reduces gradients to their owners (``overlap``: started during backward),
+lets only the owners keep fp32 master weights and moments and run AdamW, and broadcasts the new
+weights. ``setup`` is what the engine
 calls at wrap(); ``report`` is memory_report()'s ``"distributed"`` entry. docs/distributed.md
 describes the semantics, the timeouts and what is not built yet.
 """
@@ -68,14 +69,16 @@ def setup(slots: list, device: torch.device, events, *, enabled: bool | None = N
         owners[s.index] = owner
     if bucket_bytes is None:
         bucket_bytes = DEFAULT_BUCKET_BYTES[comm.transport]
-    dp = DataParallel(comm, slots, owners, bucket_bytes)
+    dp = DataParallel(comm, slots, owners, bucket_bytes, events=events)
     dp.share_weights(list(slots), source=0)  # frozen ones too: they may be unfrozen later
     mine = [s for s in trained if s.owned]
     share = sum(s.numel for s in mine) / max(1, sum(s.numel for s in trained))
     events.add("distributed", f"data parallel over {comm.world} ranks ({comm.backend}): rank {comm.rank} owns "
                               f"{len(mine)} of {len(trained)} trained parameters ({share:.0%} of the values) and "
                               f"keeps their master weights and moments; the optimizer's weights start as rank 0's; "
-                              f"gradients are averaged into their owner at step() and the new weights broadcast")
+                              f"gradients are averaged into their owner (each bucket's reduction starts during the backward "
+                              f"that completes the accumulation window, from the second step on) and the new "
+                              f"weights broadcast at step()")
     return dp
 
 
