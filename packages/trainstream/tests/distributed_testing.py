@@ -85,10 +85,12 @@ BRANCH_TAKEN = {1: [0, 1], 3: []}  # the global samples that take the branch at 
 
 def branch_run(model, optimizer, rank: int, world: int, on_step=None) -> None:
     n = GLOBAL // world
+    device = next(model.parameters()).device
     for step in range(STEPS):
-        x, y = local_batch(step, 0, rank, world)
+        x, y = (t.to(device) for t in local_batch(step, 0, rank, world))
         taken = BRANCH_TAKEN.get(step, range(GLOBAL))
-        take = torch.tensor([i - rank * n for i in taken if rank * n <= i < (rank + 1) * n], dtype=torch.long)
+        take = torch.tensor([i - rank * n for i in taken if rank * n <= i < (rank + 1) * n], dtype=torch.long,
+                            device=device)
         torch.nn.functional.mse_loss(model(x, take), y).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -166,7 +168,7 @@ def _overlap_run(rank, world, out, *, what):
     of every step in ``"per_step"``."""
     import trainstream
 
-    model = Branchy(seed=rank) if what == "unused" else make_model(seed=rank)
+    model = (Branchy(seed=rank) if what == "unused" else make_model(seed=rank)).to(_DEVICE)
     model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1,
                                         accumulation_steps=2 if what == "mid_window" else 1)
     dp = _dp(model)
