@@ -147,7 +147,12 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
               "report_distributed": report.get("distributed"),
               "host_state_bytes": model._trainstream_session.host_state_bytes,
               "events": report["events"]}
+    dp = model._trainstream_session.engine.step_hook
     trainstream.unwrap(model)
+    calls = dp.comm.calls
+    x, y = (t.to(_DEVICE) for t in local_batch(0, 0, rank, world))
+    torch.nn.functional.mse_loss(model(x), y).backward()  # unwrapped: no reduction starts
+    result["calls_after_unwrap"] = dp.comm.calls - calls
     return result
 
 
@@ -187,6 +192,31 @@ def _overlap_run(rank, world, out, *, what):
                     after_backward=lambda step: hand_set(model, step))
     result = {"weights": weights(model), "per_step": per_step, "report": dp.report(),
               "events": trainstream.memory_report(model)["events"]}
+    trainstream.unwrap(model)
+    return result
+
+
+def _rewrap(rank, world, out):
+    """Unwrapped after 2 steps and wrapped again: the first wrap's hooks start no reduction any more."""
+    import trainstream
+
+    model = make_model(seed=rank)
+    optimizer = make_optimizer(model)
+    model, optimizer = trainstream.wrap(model, optimizer, threads=1)
+    first = _dp(model)
+    train_steps(model, optimizer, 2, rank, world)
+    x, y = local_batch(99, 0, rank, world)
+    torch.nn.functional.mse_loss(model(x), y).backward()  # its reductions start, then close() waits for them
+    started = first.report()["overlap"]["armed"] and first._eager.in_backward
+    first.close()  # what the engine's close() is to call
+    optimizer.zero_grad()
+    trainstream.unwrap(model)
+    calls = first.comm.calls
+    model, optimizer = trainstream.wrap(model, optimizer, threads=1)
+    train_steps(model, optimizer, STEPS, rank, world, start=2)
+    result = {"weights": weights(model), "first_calls_after_unwrap": first.comm.calls - calls,
+              "started_before_close": started, "armed_after_close": first.report()["overlap"]["armed"],
+              "second": _dp(model).report()["overlap"]}
     trainstream.unwrap(model)
     return result
 
@@ -259,6 +289,7 @@ SCENARIOS = {
     "hand_set": lambda r, w, o: _overlap_run(r, w, o, what="hand_set"),
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
+    "rewrap": _rewrap,
     "unfreeze": _unfreeze,
     "forced_off": _forced_off,
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),

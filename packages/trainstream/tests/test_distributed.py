@@ -40,7 +40,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(out):
-    return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "unfreeze", "forced_off", "mismatch_shape",
+    return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "rewrap", "unfreeze", "forced_off", "mismatch_shape",
                          "mismatch_settings"], out)
 
 
@@ -201,6 +201,7 @@ def test_every_rank_starts_the_reductions_during_backward(two, three, world):
             assert last["overlapped"] and last["buckets_in_backward"] > 0 and last["buckets_at_step"] == 0
             assert overlap["buckets_in_backward"] == (STEPS - 1) * last["buckets_in_backward"], overlap
             assert overlap["buckets_at_step"] == 0 and overlap["dropped_steps"] == 0, overlap
+            assert _result(runs, scenario, rank)["calls_after_unwrap"] == 0  # a backward after unwrap()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -259,3 +260,13 @@ def test_gradients_changed_by_hand_after_backward_are_the_ones_reduced(two):
         assert [s["overlapped"] for s in steps] == [False, True, False, False, False, False, False], steps
         assert steps[2]["buckets_in_backward"] > 0 and steps[5]["buckets_in_backward"] > 0
         assert any("changed or replaced after they were copied" in line for line in result["events"])
+
+
+def test_after_close_and_unwrap_the_first_wraps_hooks_start_nothing(two):
+    reference = _reference()
+    for rank in range(2):
+        result = _result(two, "rewrap", rank)
+        assert result["started_before_close"] > 0 and not result["armed_after_close"]
+        assert result["first_calls_after_unwrap"] == 0
+        assert result["second"]["buckets_in_backward"] > 0 and result["second"]["dropped_steps"] == 0
+        assert _max_diff(result["weights"], reference) <= TOL
