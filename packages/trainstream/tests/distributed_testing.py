@@ -98,6 +98,19 @@ def branch_run(model, optimizer, rank: int, world: int, on_step=None) -> None:
             on_step(step + 1)
 
 
+def discard_run(model, optimizer, rank: int, world: int, on_step=None, discard=None) -> None:
+    """Accumulation over 2 backward passes; at step 2 a backward first, dropped by zero_grad()
+    (then `discard()`, what the engine's discard() is to call)."""
+    for step in range(STEPS):
+        if step == 2:
+            x, y = local_batch(step, 7, rank, world)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.zero_grad()
+            if discard is not None:
+                discard()
+        train_steps(model, optimizer, step + 1, rank, world, accumulation=2, start=step, on_step=on_step)
+
+
 HAND_SET_STEPS = 7
 
 
@@ -175,7 +188,7 @@ def _overlap_run(rank, world, out, *, what):
 
     model = (Branchy(seed=rank) if what == "unused" else make_model(seed=rank)).to(_DEVICE)
     model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1,
-                                        accumulation_steps=2 if what == "mid_window" else 1)
+                                        accumulation_steps=2 if what in ("mid_window", "discard") else 1)
     dp = _dp(model)
     dp.bucket_bytes = 512
     per_step = []
@@ -185,6 +198,8 @@ def _overlap_run(rank, world, out, *, what):
 
     if what == "unused":
         branch_run(model, optimizer, rank, world, on_step=on_step)
+    elif what == "discard":
+        discard_run(model, optimizer, rank, world, on_step=on_step, discard=dp.discard)
     elif what == "mid_window":  # accumulation_steps=2 declared, step() after every backward
         train_steps(model, optimizer, STEPS, rank, world, on_step=on_step)
     else:
@@ -287,6 +302,7 @@ SCENARIOS = {
     "unused": lambda r, w, o: _overlap_run(r, w, o, what="unused"),
     "mid_window": lambda r, w, o: _overlap_run(r, w, o, what="mid_window"),
     "hand_set": lambda r, w, o: _overlap_run(r, w, o, what="hand_set"),
+    "discard": lambda r, w, o: _overlap_run(r, w, o, what="discard"),
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
     "rewrap": _rewrap,

@@ -17,6 +17,7 @@ from distributed_testing import (
     STEPS,
     Branchy,
     branch_run,
+    discard_run,
     hand_set,
     make_model,
     make_optimizer,
@@ -40,7 +41,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(out):
-    return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "rewrap", "unfreeze", "forced_off", "mismatch_shape",
+    return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "discard", "rewrap", "unfreeze", "forced_off", "mismatch_shape",
                          "mismatch_settings"], out)
 
 
@@ -270,3 +271,15 @@ def test_after_close_and_unwrap_the_first_wraps_hooks_start_nothing(two):
         assert result["first_calls_after_unwrap"] == 0
         assert result["second"]["buckets_in_backward"] > 0 and result["second"]["dropped_steps"] == 0
         assert _max_diff(result["weights"], reference) <= TOL
+
+
+def test_zero_grad_before_the_window_completes_starts_its_count_again(two):
+    model = make_model()
+    discard_run(model, make_optimizer(model), 0, 1)
+    reference = weights(model)
+    for rank in range(2):
+        result = _result(two, "discard", rank)
+        assert _max_diff(result["weights"], reference) <= TOL
+        # Step 2 had a dropped backward before its 2: the reductions started at the window's real end.
+        assert [s["overlapped"] for s in result["per_step"]] == [False, True, True, True, True], result["per_step"]
+        assert result["per_step"][2]["buckets_at_step"] == 0

@@ -183,6 +183,11 @@ class DataParallel:
                 slot.param.grad = shaped(part, slot.param.detach())
                 offset += slot.numel
 
+    def discard(self) -> None:
+        """zero_grad() (the engine's discard()): the window's gradient count starts again. Local, no collective."""
+        if self._eager is not None:
+            self._eager.restart_window()
+
     def close(self) -> None:
         """Unwrap: the reductions in flight waited for and dropped, the hooks removed (every rank)."""
         eager, self._eager = self._eager, None

@@ -78,6 +78,13 @@ class EagerReductions:
         self.copied: list = [None] * len(self.slots)  # (grad or None, its version) as copied
         self.in_backward = self.at_step = 0
 
+    def restart_window(self) -> None:
+        """zero_grad() before the window completed: the gradients counted so far are gone. What was
+        started stays started (the sequence continues where it is; step() sees the replaced gradients)."""
+        with self._lock:
+            self.arrivals = [0] * len(self.slots)
+            self.missing = [len(b.items) for b in self.buckets]
+
     def close(self) -> None:
         """The hooks removed (they also do nothing from now on)."""
         self._hook.disable()
