@@ -90,7 +90,8 @@ class DataParallel:
             problems = eager.problems(trained)
         flags = torch.tensor([s.param.grad is not None for s in trained] + [problems], dtype=torch.int32,
                              device=self.comm.device)
-        self.comm.all_reduce(flags, "the exchange of which parameters have gradients")
+        if trained or eager is not None:
+            self.comm.all_reduce(flags, "the exchange of which parameters have gradients")
         counts = flags.tolist()
         problems = counts.pop()
         with_grad = [s for s, f in zip(trained, counts) if f > 0]
