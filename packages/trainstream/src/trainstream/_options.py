@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import ts_adamw
 
-from .attention import check_attention_mode
+from .attention import WRAP_DEFAULT, check_attention_mode
 from .memory.activations import check_block_choice, check_param_offload
 from .memory.peer import check_peer_option
 from .memory.quantize import check_quantize
@@ -48,7 +48,7 @@ class WrapOptions:
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20
     blocks: Any = None
-    attention: Any = "default"  # "auto" once its GPU test passes (README)
+    attention: Any = WRAP_DEFAULT  # "auto" on one GPU, "default" elsewhere (attention.resolve_wrap_default)
     param_offload: Any = False
     peer: Any = "auto"
     distributed: bool | None = None
@@ -104,7 +104,8 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
         if not isinstance(getattr(opts, flag), bool):
             raise ValueError(f"{flag}={getattr(opts, flag)!r} is not valid; use True or False")
     opts.device = _device(opts.device)
-    opts.attention = check_attention_mode(opts.attention)
+    if opts.attention != WRAP_DEFAULT:
+        opts.attention = check_attention_mode(opts.attention)
     opts.param_offload = check_param_offload(opts.param_offload)
     opts.peer = check_peer_option(opts.peer)
     if opts.distributed is not None and not isinstance(opts.distributed, bool):

@@ -11,7 +11,7 @@ import ts_pinned
 
 from ._events import EventLog
 from ._options import WrapOptions
-from .attention import AttentionChooser
+from .attention import AttentionChooser, resolve_wrap_default
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
@@ -131,7 +131,10 @@ class TrainStreamSession:
                                                 reserved_link_bytes=self._upload_bytes_per_step)
             if self.weights is not None and self.activations.offloader is not None:
                 self.activations.offloader.skip = self.weights.owns  # streamed weights are not activations
-            self.attention = AttentionChooser(options.attention, events=self.events,
+            from . import distributed as tsd
+            world = 1 if options.distributed is False else tsd.active_world()
+            attention = resolve_wrap_default(options.attention, device, world, self.events)
+            self.attention = AttentionChooser(attention, events=self.events,
                                               may_reset_peak=lambda: self.adapting)
             self._attention = self.attention.install(model)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.

@@ -3,8 +3,15 @@ kernels (cuDNN, flash, memory-efficient, math) on the model's own call shapes, p
 that agrees with the math backend around the model's forward and backward (recomputation included),
 and reports the timings and every skipped backend with its reason."""
 
-from ._chooser import ATTENTION_MODES, AttentionChooser, AttentionHandle, check_attention_mode
+from ._chooser import (
+    ATTENTION_MODES,
+    WRAP_DEFAULT,
+    AttentionChooser,
+    AttentionHandle,
+    check_attention_mode,
+    resolve_wrap_default,
+)
 from ._measure import BACKENDS, Measurement, deterministic_backends
 
-__all__ = ["ATTENTION_MODES", "BACKENDS", "AttentionChooser", "AttentionHandle", "Measurement",
-           "check_attention_mode", "deterministic_backends"]
+__all__ = ["ATTENTION_MODES", "BACKENDS", "WRAP_DEFAULT", "AttentionChooser", "AttentionHandle", "Measurement",
+           "check_attention_mode", "deterministic_backends", "resolve_wrap_default"]

@@ -48,9 +48,33 @@ from ._measure import (
 )
 from ._pin import Pin, caller_state, initialize_order
 
-__all__ = ["ATTENTION_MODES", "AttentionChooser", "AttentionHandle", "check_attention_mode"]
+__all__ = ["ATTENTION_MODES", "WRAP_DEFAULT", "AttentionChooser", "AttentionHandle", "check_attention_mode",
+           "resolve_wrap_default"]
 
 ATTENTION_MODES = ("auto", "default", "cudnn", "efficient", "flash", "math")
+# wrap()'s default when attention= is not given: "auto" for a model on one GPU, "default" otherwise.
+WRAP_DEFAULT = "auto on one GPU"
+
+
+def resolve_wrap_default(mode: str, device: torch.device, world: int, events) -> str:
+    """``mode`` as given, or for WRAP_DEFAULT the mode it stands for here (with an event saying why).
+
+    On the H200 "auto" measured no slower than PyTorch's choice (docs/results/attention-choice-full-
+    h200-2026-12-01.log). On the CPU torch has two kernels and its own pick is fine: measuring each
+    new shape would cost more than it saves. With data parallel every rank would measure on its own
+    and might pin a different kernel (different numerics per rank): a named backend pins one on all.
+    """
+    if mode != WRAP_DEFAULT:
+        return mode
+    if device.type != "cuda":
+        why = "the model is not on a GPU"
+    elif world > 1:
+        why = (f"data parallel over {world} ranks: each would measure alone and might pin another kernel; "
+               f"name one (attention='cudnn', 'flash', ...) to pin it on every rank")
+    else:
+        return "auto"
+    events.add("attention", f"attention not given: 'default' (PyTorch's choice), since {why}")
+    return "default"
 
 
 def check_attention_mode(value) -> str:

@@ -347,6 +347,8 @@ class UpdateEngine:
                     s.micro = 0
                     s.move(S.IDLE)
         self._clip_scale = None
+        if self.step_hook is not None:
+            self.step_hook.discard()  # data parallel: the window's gradient count starts again
 
     # ---- ordering reads after updates -------------------------------------------------
 
@@ -423,3 +425,5 @@ class UpdateEngine:
                 self.host.close()
             finally:
                 self._grad_hook.disable()
+                if self.step_hook is not None:
+                    self.step_hook.close()  # data parallel: its gradient hooks come off
