@@ -410,3 +410,31 @@ def test_streamed_frozen_weights_are_bit_exact_and_stay_off_the_gpu(options):
         assert runs["resident"][2] - runs["streamed"][2] > 4 * block_bytes  # most blocks left the GPU
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.cuda
+def test_offload_auto_measures_mapped_against_host_when_the_state_does_not_fit(monkeypatch):
+    """The state 'does not fit' (its device size is inflated): offload='auto' tries CUDA AdamW over
+    mapped host memory against host AdamW, logs the decision, and trains like torch's AdamW either way."""
+    import trainstream._session as session_module
+
+    monkeypatch.setattr(session_module, "device_state_bytes", lambda slot: 1 << 50)
+    torch.manual_seed(0)
+    model = _mid_llama(layers=2, hidden=256).cuda()
+    twin = copy.deepcopy(model)
+    model, opt = trainstream.wrap(model, lr=1e-3, offload="auto")
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.01)
+    placements = []
+    for ids in batches(14, vocab=4096, batch=2, seq=64):
+        for m, o in ((model, opt), (twin, ref)):
+            loss_of(m, ids.cuda()).backward()
+            o.step()
+            o.zero_grad()
+        placements.append({s.placement for s in model._trainstream_session.engine.active})
+    events = trainstream.memory_report(model)["events"]
+    assert any("trying CUDA AdamW over mapped host memory" in e for e in events), events
+    decided = [e for e in events if "stays:" in e or "back to host AdamW" in e]
+    assert len(decided) == 1, events
+    assert {"mapped"} in placements and model._trainstream_session.trial is None
+    assert max_param_diff(model, twin) < 1e-4
+    trainstream.unwrap(model)

@@ -211,3 +211,25 @@ def test_gradient_memory_reused_right_after_step_does_not_change_the_update(guar
     assert all(s.placement == "device" and s.hook is None for s in slots)
     assert max_param_diff(ours, twin) < 1e-5
     trainstream.unwrap(ours)
+
+
+def test_mapped_slots_with_fused_mapped_update_in_one_launch_at_step_without_hooks(launches):
+    """offload='auto''s placement trial: mapped slots without per-tensor hooks train like torch's AdamW
+    through step()'s fused launch (one per group); back on host they get their hooks again."""
+    import ts_pinned
+
+    engine, _opt, ref, params, twins = _setup([3, 2])
+    engine.arena = ts_pinned.PinnedArena(slab_bytes=64 << 10)  # private: page-locked state for "mapped"
+    engine.fused_mapped = True
+    engine.place(engine.slots, "mapped")
+    assert all(s.placement == "mapped" and s.hook is None for s in engine.slots)
+    for step in range(3):
+        _grads(params, twins, step)
+        engine.step()
+        ref.step()
+        _assert_matches(params, twins)
+    assert len(launches) == 2 * 3 and all(launch["count"] in (2, 3) for launch in launches)
+    engine.fused_mapped = False
+    engine.place(engine.slots, "host")
+    assert all(s.placement == "host" and s.hook is not None for s in engine.slots)
+    engine.close()

@@ -17,6 +17,7 @@ from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
 from .memory import peer
 from .memory.activations import ActivationPolicy
+from .memory.placement_trial import MappedTrial
 from .memory.plan import GiB, device_state_bytes, host_state_bytes, plan_host_memory, vram_budget
 
 __all__ = ["TrainStreamSession"]
@@ -60,6 +61,8 @@ class TrainStreamSession:
         self.events = EventLog(verbose=options.verbose)
         self.steps = 0
         self.adapting = False
+        self.trial = None  # a MappedTrial while offload='auto' measures host against mapped AdamW
+        self._last_step_at = None  # perf_counter at the previous step(): the trial's step periods
         self.peer = None  # the ts-peer pool the streamed weights come from, once set up (memory/peer.py)
         self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
         self.engine = None
@@ -199,11 +202,16 @@ class TrainStreamSession:
         self.engine.step()
         self.activations.sweep()
         self.steps += 1
+        now = time.perf_counter()
+        period = None if self._last_step_at is None else now - self._last_step_at
+        self._last_step_at = now
         if self.steps == peer.SETUP_STEP:
             self.peer = peer.setup_peer(self.weights, self.config.peer, self.device, self.config.vram_headroom,
                                         self.events)
         if self.adapting and settled:
             self._adapt()
+        elif self.trial is not None and period is not None:
+            self._advance_trial(period)
 
     def synchronize(self) -> None:
         """Waits until every update is applied and every weight written back."""
@@ -251,7 +259,39 @@ class TrainStreamSession:
         else:
             self.events.add("plan", f"the optimizer state ({need / GiB:.2f} GiB) does not fit in the VRAM left "
                                     f"after the measured peak ({max(room, 0) / GiB:.2f} GiB): it stays in host memory")
+            self._start_mapped_trial(room)
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _start_mapped_trial(self, room: int) -> None:
+        """offload='auto', state in host memory: measure mapped CUDA AdamW against host AdamW when the
+        gradients it keeps in VRAM until step() fit twice in the room the measured peak left."""
+        host = [s for s in self.engine.active if s.placement == "host"]
+        grads = sum(s.numel * s.param.element_size() for s in host)
+        if self.config.offload != "auto" or not host or self.engine.step_hook is not None or 2 * grads > room:
+            return
+        self.trial = MappedTrial()
+        self.events.add("plan", f"offload='auto': trying CUDA AdamW over mapped host memory against host AdamW "
+                                f"for {len(host)} tensors: no gradient hooks, the {grads / GiB:.2f} GiB of gradients "
+                                f"wait in VRAM until step() and the state crosses the link there; "
+                                f"{self.trial.steps} steps each, the faster stays")
+
+    def _advance_trial(self, period: float) -> None:
+        trial = self.trial
+        action = trial.record(period)
+        if action is None:
+            return
+        wanted = "mapped" if action == "switch" else "host"
+        slots = [s for s in self.engine.active if s.placement in ("host", "mapped")]
+        if action in ("switch", "revert"):
+            self.synchronize()
+            self.engine.fused_mapped = wanted == "mapped"  # before place(): it decides the slots' hooks
+            self.engine.place(slots, wanted)
+        if action == "keep":
+            self.events.add("switch", f"offload='auto': CUDA AdamW over mapped host memory stays: {trial.summary()}")
+        elif action == "revert":
+            self.events.add("switch", f"offload='auto': back to host AdamW: {trial.summary()}")
+        if action != "switch":
+            self.trial = None
 
     # ---- teardown -------------------------------------------------------------------
 

@@ -66,6 +66,9 @@ class UpdateEngine:
         self.events = events
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
+        # Mapped slots update in step()'s fused launch (no per-tensor hooks) instead of during backward:
+        # set by offload="auto"'s placement trial (memory/placement_trial.py) before it places them.
+        self.fused_mapped = False
         self.seed = seed
         self.guard_params = guard_params
         self.placement = placement  # where a newly trained parameter's state goes
@@ -109,11 +112,15 @@ class UpdateEngine:
             self._dormant.remove(slot)
 
     def _hook_for(self, slot: ParamSlot) -> None:
-        """A gradient hook exactly when the slot's updates start during backward (not device, not data parallel)."""
-        if (slot.placement == "device" or self.step_hook is not None) and slot.hook is not None:
+        """A gradient hook exactly when the slot's updates start during backward: host slots, and mapped
+        ones unless ``fused_mapped`` (then they update in step()'s fused launch, as device slots do);
+        never under data parallel."""
+        at_step = (slot.placement == "device" or (slot.placement == "mapped" and self.fused_mapped)
+                   or self.step_hook is not None)
+        if at_step and slot.hook is not None:
             slot.hook.remove()
             slot.hook = None
-        elif slot.placement != "device" and self.step_hook is None and slot.hook is None:
+        elif not at_step and slot.hook is None:
             slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook)
 
     def activate_unfrozen(self) -> None:
