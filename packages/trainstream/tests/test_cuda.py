@@ -438,3 +438,33 @@ def test_offload_auto_measures_mapped_against_host_when_the_state_does_not_fit(m
     assert {"mapped"} in placements and model._trainstream_session.trial is None
     assert max_param_diff(model, twin) < 1e-4
     trainstream.unwrap(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_streamed_quantized_codes_train_like_resident_ones_on_cuda(quantize):
+    """The codes and scales of streamed blocks visit the GPU in the blocks' buffers (new addresses at
+    each visit: ts-quant's per-weight plans are rebuilt); training equals keeping them resident."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        torch.manual_seed(0)
+        model = _mid_llama(layers=4, hidden=512).to(torch.bfloat16)
+        return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+
+    runs = []
+    for offload in (False, True):
+        # both quantized where the model is (the CPU), then moved or streamed: the same codes
+        model, opt = trainstream.wrap(lora(), lr=1e-3, quantize=quantize, param_offload=offload, device="cuda")
+        losses = []
+        for ids in batches(4, vocab=4096, batch=2, seq=128):
+            loss = loss_of(model, ids.cuda())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        model._trainstream_session.synchronize()
+        runs.append((losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]))
+        trainstream.unwrap(model)
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

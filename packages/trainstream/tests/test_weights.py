@@ -108,7 +108,6 @@ def test_reads_state_dict_copies_and_loads_see_the_right_weights():
     ({"param_offload": "yes"}, "param_offload='yes' is not valid; use 'auto'"),
     ({"param_offload": 2.0}, "param_offload=2.0 is not valid"),
     ({"param_offload": [9]}, "the model has 4 blocks, indices [9] do not exist"),
-    ({"param_offload": True, "quantize": "int8"}, "streaming int8 codes is not built yet"),
 ])
 def test_bad_param_offload_is_refused_and_changes_nothing(options, message):
     model = _frozen_stack()

@@ -45,7 +45,8 @@ def test_less_vram_never_streams_fewer_blocks_and_enough_streams_none(lora_7b_on
     counts = []
     for vram in (40, 24, 16, 12, 8):
         _with_vram(monkeypatch, vram)
-        chosen, why = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+        chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+        assert implied is None
         counts.append(0 if chosen is False else len(chosen))
         assert "param_offload='auto'" in why
         if chosen:
@@ -55,11 +56,27 @@ def test_less_vram_never_streams_fewer_blocks_and_enough_streams_none(lora_7b_on
 
 
 def test_auto_leaves_the_weights_to_quantize_when_it_is_on(lora_7b_on_meta, monkeypatch):
-    _with_vram(monkeypatch, 12)
-    for quantize in ("auto", "nf4"):
-        chosen, why = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"),
-                                                parse_options({"param_offload": "auto", "quantize": quantize}))
-        assert chosen is False and f"quantize={quantize!r} decides" in why
+    _with_vram(monkeypatch, 12)  # NF4 codes of the 7B base fit with every block resident
+    for quantize, why_part in (("auto", "quantize='auto' fits the weights"), ("nf4", "none stream")):
+        chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"),
+                                                         parse_options({"param_offload": "auto", "quantize": quantize}))
+        assert chosen is False and implied is None and why_part in why
+
+
+def test_when_no_quantization_fits_resident_the_codes_stream(lora_7b_on_meta, monkeypatch):
+    """Less VRAM than even the NF4 base: quantize='nf4' streams the fewest blocks of codes, and
+    quantize='auto' does the same with NF4 (the implied format)."""
+    counts = {}
+    for vram in (10, 9, 8):  # 12 GiB holds the NF4 base resident (the test above)
+        _with_vram(monkeypatch, vram)
+        for quantize in ("nf4", "auto"):
+            chosen, why, implied = _wrap._auto_param_offload(
+                lora_7b_on_meta, torch.device("cpu"), parse_options({"param_offload": "auto", "quantize": quantize}))
+            assert implied == (None if quantize == "nf4" else "nf4")
+            assert chosen and "as nf4 codes" in why, why
+            counts.setdefault(quantize, []).append(len(chosen))
+    assert counts["nf4"] == counts["auto"] == sorted(counts["nf4"])
+    assert 0 < counts["nf4"][0] < counts["nf4"][-1] < 28
 
 
 def test_wrap_streams_the_blocks_auto_chose_and_trains_like_resident(monkeypatch):

@@ -72,7 +72,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     offload_why = None
     if opts.param_offload == "auto":
-        opts.param_offload, offload_why = _auto_param_offload(model, device, opts)
+        opts.param_offload, offload_why, implied = _auto_param_offload(model, device, opts)
+        if implied is not None:
+            opts.quantize = implied
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     streamer = _weight_streamer(model, device, opts)
     plan = _plan(model, device, opts, streamer)  # before anything is allocated; PlanRefused when nothing fits
@@ -80,14 +82,13 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         fmt, why = None, "auto: param_offload streams the weights as they are stored, so none are quantized"
     else:
         fmt, why = _quantize_decision(model, device, opts, plan)
-    if streamer is not None and fmt:
-        raise ValueError(f"param_offload streams weights as they are stored (bf16 / fp32); streaming {fmt} codes is "
-                         f"not built yet: pass quantize=None with param_offload, or drop param_offload")
     undo = _ModelUndo(model)
     session = None
     origin = streamer.origin() if streamer is not None else None
     try:
         quantized = quantize_model(model, fmt, _replaced=undo.replaced) if fmt else None
+        if streamer is not None and quantized:
+            streamer = _weight_streamer(model, device, opts)  # the blocks' frozen weights are codes now
         if streamer is not None:
             streamer.prepare()  # before the move: the streamed weights never reach the GPU whole
             _move_except(model, device, streamer.param_ids)
@@ -139,40 +140,53 @@ def _weight_streamer(model: torch.nn.Module, device: torch.device, opts) -> Weig
     return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth)
 
 
-def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts) -> tuple[list[int] | bool, str]:
-    """param_offload='auto': (the blocks to stream, why). With quantize=None, the fewest blocks with
-    which the plan fits (spread through the stack, as ts-planner spreads them); with quantization on,
-    none (its codes do not stream yet, and quantizing is the faster way to fit)."""
-    if opts.quantize is not None:
-        return False, (f"param_offload='auto': none stream, quantize={opts.quantize!r} decides how the weights fit "
-                       f"(pass quantize=None to stream exact weights instead)")
+def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts) -> tuple[list[int] | bool, str, str | None]:
+    """param_offload='auto': (the blocks to stream, why, the quantization it implies or None): the
+    fewest blocks with which the plan fits (spread through the stack, as ts-planner spreads them), with
+    the weights as ``quantize`` stores them. quantize='auto' streams nothing while some quantization
+    fits (quantizing is the faster way to fit); when none does, NF4 codes stream."""
     blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
     facts = describe_model(model, blocks)
     if facts.shape is None or not blocks:
-        return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)"
+        return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
     budget, activations = wrap_budget(device, opts, facts), _activations(opts, len(blocks))
+    fmt, implied = opts.quantize, None
+    if fmt == "auto":
+        plan = plan_wrap(facts, budget, quantize="auto", moment_dtype=opts.moment_dtype, activations=activations,
+                         streamed_blocks=0)
+        if plan.plan is not None and plan.plan.fits:
+            return False, ("param_offload='auto': none stream, quantize='auto' fits the weights "
+                           "(pass quantize=None to stream exact weights instead)"), None
+        fmt = implied = "nf4"  # nothing fits resident: the smallest codes stream
     for count in range(len(blocks) + 1):  # the fewest streamed blocks with which the plan's tokens fit
-        plan = plan_wrap(facts, budget, quantize=None, moment_dtype=opts.moment_dtype, activations=activations,
+        plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
                          streamed_blocks=count)
         if plan.plan is not None and plan.plan.fits:
             break
     chosen = list(plan.plan.streamed) if plan.plan is not None else []
+    stored = "as stored" if fmt is None else f"as {fmt} codes"
     if not chosen:
-        return False, f"param_offload='auto': none stream ({plan.message})"
+        return False, f"param_offload='auto': none stream ({plan.message})", None
     if not plan.plan.fits:
-        return chosen, (f"param_offload='auto': all {len(blocks)} blocks stream and the plan's tokens still do not "
-                        f"fit: the activation policy finds what does ({plan.message})")
-    return chosen, (f"param_offload='auto': {len(chosen)} of {len(blocks)} blocks stream, the fewest with which the "
-                    f"plan fits ({plan.message})")
+        return chosen, (f"param_offload='auto': all {len(blocks)} blocks stream {stored} and the plan's tokens still "
+                        f"do not fit: the activation policy finds what does ({plan.message})"), implied
+    return chosen, (f"param_offload='auto': {len(chosen)} of {len(blocks)} blocks stream {stored}, the fewest with "
+                    f"which the plan fits" + (" (quantize='auto': no quantization fits with every block resident)"
+                                              if implied else "") + f" ({plan.message})"), implied
 
 
 def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -> None:
     """model.to(device) for every parameter and buffer except the streamed weights (`skip`: ids);
     the Parameter objects stay, so the optimizer still refers to them."""
+    from ts_quant import QuantizedTensor
+
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if id(p) not in skip and p.device != device:
                 p.data = p.data.to(device)
+        q = module.__dict__.get("qweight")  # a ts-quant QuantLinear's codes, unless they stream
+        if isinstance(q, QuantizedTensor) and id(q.data) not in skip and q.device != device:
+            module.qweight = q.to(device)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)

@@ -62,14 +62,34 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
-    """(owner module, name, parameter) of each frozen parameter of `block`, each once."""
+def _quantized_tensors(q, prefix: str):
+    """(name, tensor) of every tensor a ts-quant QuantizedTensor holds (codes, scales, nested scales)."""
+    for attr in ("data", "scales", "global_scale", "scale_offset"):
+        value = getattr(q, attr, None)
+        if isinstance(value, torch.Tensor):
+            yield f"{prefix}.{attr}", value
+        elif value is not None and hasattr(value, "scales"):  # double quantization: scales are codes too
+            yield from _quantized_tensors(value, f"{prefix}.{attr}")
+
+
+def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(owner module, name, tensor) of each frozen weight of `block`, each once: frozen parameters,
+    and the codes and scales of ts-quant ``QuantLinear`` weights (``qweight``), which stream as stored.
+    The owner module is the one whose forward reads the tensor (its pre-hook fetches the block)."""
+    from ts_quant import QuantizedTensor
+
     seen, out = set(), []
     for module in block.modules():
         for name, p in module.named_parameters(recurse=False):
             if p is not None and not p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 out.append((module, name, p))
+        q = module.__dict__.get("qweight")
+        if isinstance(q, QuantizedTensor):
+            for name, t in _quantized_tensors(q, "qweight"):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((module, name, t))
     return out
 
 

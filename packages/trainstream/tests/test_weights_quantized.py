@@ -1,0 +1,82 @@
+"""param_offload with quantized frozen weights: the blocks' codes and scales stream as stored (NF4
+moves about a quarter of bf16's bytes), and training is bit for bit the same as keeping them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trainstream
+from ts_testing import batches, loss_of, tiny_llama
+
+peft = pytest.importorskip("peft")
+
+
+def _lora():
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    return peft.get_peft_model(tiny_llama(), config)
+
+
+def _train(model, opt, steps=4):
+    losses = []
+    for ids in batches(steps):
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model._trainstream_session.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_streamed_codes_train_bit_for_bit_like_resident_ones(quantize):
+    runs = []
+    for options in ({}, {"param_offload": True}, {"param_offload": [0], "recompute": True}):
+        model, opt = trainstream.wrap(_lora(), lr=1e-3, quantize=quantize, **options)
+        losses = _train(model, opt)
+        report = trainstream.memory_report(model)
+        trained = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        runs.append((losses, trained, report))
+        trainstream.unwrap(model)
+    for losses, trained, _ in runs[1:]:
+        assert losses == runs[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(trained, runs[0][1]))
+    streamed = runs[1][2]["params"]
+    assert streamed["streaming"]["fetches"] > 0
+    # every block streams: its host copy holds all the codes and scales (plus its frozen norms), well
+    # under the size of the weights before quantization
+    assert streamed["bytes_after"] <= streamed["host_bytes"] < streamed["bytes_before"] * (0.6 if quantize == "int8"
+                                                                                           else 0.35)
+
+
+def test_reads_of_a_streamed_quantized_model_see_the_codes():
+    reference, _ = trainstream.wrap(_lora(), lr=1e-3, quantize="nf4")
+    expected = {k: v for k, v in reference.state_dict().items()}
+    trainstream.unwrap(reference)
+    model, opt = trainstream.wrap(_lora(), lr=1e-3, quantize="nf4", param_offload=True)
+    state = model.state_dict()  # not resident: the host copies, as the QuantLinear's extra state
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(state[key], value), key
+    _train(model, opt, steps=1)
+    trainstream.unwrap(model)
+    for module in model.modules():  # unwrapped: ordinary tensors where the model trains
+        q = module.__dict__.get("qweight")
+        if q is not None:
+            assert q.data.device == torch.device("cpu") and q.data.untyped_storage().nbytes() > 0
+
+
+def test_wrap_quantizes_and_streams_when_param_offload_auto_implies_nf4(monkeypatch):
+    """The decision itself is tested on a 7B shape (test_weights_auto.py); here wrap() acts on it:
+    quantize='auto' becomes the implied NF4, and the chosen blocks stream their codes."""
+    from trainstream import _wrap
+
+    monkeypatch.setattr(_wrap, "_auto_param_offload", lambda m, d, o: ([0, 1], "param_offload='auto': test", "nf4"))
+    model, opt = trainstream.wrap(_lora(), lr=1e-3, quantize="auto", param_offload="auto")
+    _train(model, opt, steps=2)
+    report = trainstream.memory_report(model)
+    assert report["params"]["quantize"] == "nf4"
+    assert report["params"]["streaming"]["streamed_blocks"] == [0, 1]
+    assert report["params"]["streaming"]["fetches"] > 0
+    trainstream.unwrap(model)
