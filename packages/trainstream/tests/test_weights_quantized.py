@@ -11,10 +11,10 @@ from ts_testing import batches, loss_of, tiny_llama
 peft = pytest.importorskip("peft")
 
 
-def _lora():
-    torch.manual_seed(0)
+def _lora(seed=0):
+    torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    return peft.get_peft_model(tiny_llama(), config)
+    return peft.get_peft_model(tiny_llama(seed=seed), config)
 
 
 def _train(model, opt, steps=4):
@@ -79,4 +79,28 @@ def test_wrap_quantizes_and_streams_when_param_offload_auto_implies_nf4(monkeypa
     assert report["params"]["quantize"] == "nf4"
     assert report["params"]["streaming"]["streamed_blocks"] == [0, 1]
     assert report["params"]["streaming"]["fetches"] > 0
+    trainstream.unwrap(model)
+
+
+def test_a_load_into_streamed_codes_writes_them_and_a_new_layout_is_refused():
+    x = batches(1)[0]
+    other, _ = trainstream.wrap(_lora(seed=5), lr=1e-3, quantize="nf4")  # other values, codes included
+    _train(other, _, steps=1)
+    state = other.state_dict()
+    trainstream.unwrap(other)
+    model, opt = trainstream.wrap(_lora(), lr=1e-3, quantize="nf4", param_offload=True)
+    _train(model, opt, steps=1)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, other(x).logits)  # every streamed block fetched the loaded codes
+    _train(model, opt, steps=1)  # trains on from them
+    int8, _ = trainstream.wrap(_lora(), lr=1e-3, quantize="int8")
+    bad = int8.state_dict()
+    trainstream.unwrap(int8)
+    before = model(x).logits.detach().clone()
+    with pytest.raises(ValueError, match="different layout"):
+        model.load_state_dict(bad)
+    kept = [m for m in model.modules() if m.__dict__.get("qweight") is not None]
+    assert all(m.qweight.format == "nf4" for m in kept)
+    torch.testing.assert_close(model(x).logits.detach(), before, rtol=0, atol=0)  # the trained LoRA weights
     trainstream.unwrap(model)

@@ -142,7 +142,10 @@ class TrainStreamSession:
             self._attention = self.attention.install(model)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
             self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
-            self._model_hook(model.register_load_state_dict_pre_hook, lambda *args, **kwargs: self._before_load())
+            self._model_hook(model.register_load_state_dict_pre_hook,
+                             lambda module, state_dict, prefix, *args, **kwargs: self._before_load(state_dict, prefix))
+            if self.weights is not None:
+                self._model_hook(model.register_load_state_dict_post_hook, lambda *args: self.weights.after_load())
             self._interrupts = interrupts.install()
         except BaseException:
             self.close()
@@ -159,7 +162,9 @@ class TrainStreamSession:
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
             self.events.add("plan", "no CUDA device: the optimizer stays on host threads")
 
-    def _before_load(self) -> None:
+    def _before_load(self, state_dict: dict, prefix: str) -> None:
+        if self.weights is not None:
+            self.weights.check_load(self.model, state_dict, prefix)  # a refusal comes before any change
         self.synchronize()
         if self.weights is not None:
             self.weights.evict_all()  # the load writes the host copies: no stale device copy may stay

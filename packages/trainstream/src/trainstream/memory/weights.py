@@ -184,6 +184,7 @@ class WeightStreamer:
         self._handles, self._hooks = [], []
         self.peak_resident = 0
         self.source: HostSource | PeerSource = HostSource()  # where fetched bytes come from
+        self._qweights: dict[int, tuple] = {}  # id(QuantLinear) -> (module, its streamed QuantizedTensor)
         self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0}
 
     # ---- setting up -----------------------------------------------------------------
@@ -204,6 +205,9 @@ class WeightStreamer:
         """Copies each streamed block's frozen weights into one host buffer; the parameters then
         point at their host copies (the old storage is released where nothing else holds it)."""
         for b in self.streamed.values():
+            for module, name, _p in b.params:
+                if name == "qweight.data":  # what after_load() gives back to the module
+                    self._qweights[id(module)] = (module, module.__dict__["qweight"])
             host = self.arena.empty(b.nbytes, torch.uint8, tag="weights", allow_pageable=True)
             for (_m, _n, p), offset in zip(b.params, b.offsets):
                 view = self._view(host, offset, p)
@@ -346,6 +350,51 @@ class WeightStreamer:
     def evict_all(self) -> None:
         for index in list(self._lru):
             self._evict(index)
+
+    def check_load(self, model: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+        """Before ``load_state_dict`` changes anything: a streamed quantized weight may take new values,
+        not a new layout (its host copy and device buffer are sized for this one)."""
+        from ts_quant import QuantizedTensor
+
+        names = {id(m): n for n, m in model.named_modules()}
+        for module, streamed in self._qweights.values():
+            key = f"{prefix}{names[id(module)]}{'.' if names[id(module)] else ''}_extra_state"
+            if key in state_dict:
+                self._check_layout(module, streamed, QuantizedTensor.from_state_dict(state_dict[key]))
+
+    def _check_layout(self, module: torch.nn.Module, streamed, loaded) -> dict:
+        ours = dict(_quantized_tensors(streamed, "qweight"))
+        new = dict(_quantized_tensors(loaded, "qweight")) if loaded is not None else {}
+        same = (loaded is not None and set(new) == set(ours)
+                and all(getattr(loaded, k, None) == getattr(streamed, k) for k in ("format", "shape", "block_size"))
+                and all(new[n].shape == t.shape and new[n].dtype == t.dtype for n, t in ours.items()))
+        if not same:
+            raise ValueError(f"load_state_dict would give the streamed quantized weight of {type(module).__name__} "
+                             f"a different layout (format, shape or block size); nothing was loaded. Unwrap the "
+                             f"model to load a differently quantized state")
+        return new
+
+    def after_load(self) -> None:
+        """``load_state_dict`` (after ``evict_all``): a ts-quant ``QuantLinear`` of a streamed block got a
+        new ``qweight`` object (its extra state). Its values go into the streamed host copies and the
+        module keeps the streamed object, whose derived plans are dropped."""
+        replaced = []
+        for module, streamed in self._qweights.values():
+            loaded = module.__dict__.get("qweight")
+            if loaded is streamed:
+                continue
+            try:
+                new = self._check_layout(module, streamed, loaded)  # check_load saw it already, unless bypassed
+            except ValueError:
+                for m, q in self._qweights.values():  # every streamed weight keeps its values and object
+                    m.qweight = q
+                raise
+            replaced.append((module, streamed, dict(_quantized_tensors(streamed, "qweight")), new))
+        for module, streamed, ours, new in replaced:
+            for name, t in ours.items():
+                t.copy_(new[name])
+            streamed._cache.clear()  # plans and swizzled scales derive from the old values
+            module.qweight = streamed
 
     # ---- teardown ---------------------------------------------------------------------------
 
