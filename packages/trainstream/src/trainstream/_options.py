@@ -20,6 +20,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "optimizer_mode": ("cpu", "gpu", "auto"),
     "offload": ("auto", True),
     "moment_dtype": ("auto", "float32", "bfloat16"),
+    "recompute_variant": ("full", "selective"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -44,6 +45,7 @@ class WrapOptions:
     guard_params: bool = True
     activation_offload: Any = "auto"
     recompute: Any = "auto"
+    recompute_variant: str = "full"
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20

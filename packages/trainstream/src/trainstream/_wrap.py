@@ -213,6 +213,8 @@ def _activations(opts, count: int):
         return "auto"
     page = set(blocks_of("activation_offload", opts.activation_offload, count))
     recompute = set(blocks_of("recompute", opts.recompute, count)) - page
+    if opts.recompute_variant == "selective":  # it keeps the matmul outputs: priced as kept (an upper bound)
+        recompute = set()
     return (count - len(page) - len(recompute), len(page), len(recompute))
 
 

@@ -113,8 +113,11 @@ class ActivationPolicy:
                 self._use_cache, self._config.use_cache = True, False
                 events.add("activations", "recompute: the model's KV cache is off while wrapped (use_cache=False), "
                                           "as Hugging Face does for gradient checkpointing")
+            if may_recompute and options.recompute_variant == "selective":
+                events.add("activations", "recompute_variant='selective': recomputed blocks keep their matmul outputs "
+                                          "and recompute the rest (attention core, norms, elementwise ops)")
             for i in may_recompute:
-                self._recompute[i] = Recompute(self.blocks[i]).install()
+                self._recompute[i] = Recompute(self.blocks[i], options.recompute_variant).install()
                 self._recompute[i].enabled = i in self.recomputed
             if tuned:
                 self._probe_hooks(model)

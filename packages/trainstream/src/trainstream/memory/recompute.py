@@ -1,6 +1,13 @@
 """Recompute: a block's activations are not kept but recomputed in backward (non-reentrant
 checkpointing, RNG state restored so dropout recomputes bit for bit).
 
+Two variants (``recompute_variant=``): "full" keeps only the block's inputs and runs its whole
+forward again in backward; "selective" keeps the outputs of the matrix products (``mm``, ``addmm``,
+``bmm``, ``baddbmm``: the projections, the costly part to redo) and recomputes the rest (attention
+core, norms, rotary embedding, activation functions, elementwise ops), through torch's selective
+activation checkpointing. Selective holds more memory than full and less than keeping everything.
+Matmuls that do not dispatch as those ops (ts-quant's fused kernels) are recomputed either way.
+
 The block's ``forward`` is replaced by an instance attribute that runs the original under
 ``torch.utils.checkpoint``; removing it restores what was there. A copy of the model
 (``copy.deepcopy``, ``torch.save``) gets the plain forward back.
@@ -13,9 +20,28 @@ import types
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["Recompute", "uses_hf_checkpointing"]
+__all__ = ["RECOMPUTE_VARIANTS", "Recompute", "uses_hf_checkpointing"]
 
 _MISSING = object()
+RECOMPUTE_VARIANTS = ("full", "selective")
+
+
+def _saved_products():
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _keep_products(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED = _saved_products()
+
+
+def _selective_contexts():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_products)
 
 
 def _plain_forward(block: torch.nn.Module):
@@ -25,8 +51,11 @@ def _plain_forward(block: torch.nn.Module):
 class Recompute:
     """Installed as ``block.forward``: checkpoints the original forward when gradients are on."""
 
-    def __init__(self, block: torch.nn.Module):
+    def __init__(self, block: torch.nn.Module, variant: str = "full"):
+        if variant not in RECOMPUTE_VARIANTS:
+            raise ValueError(f"recompute_variant={variant!r} is not valid; use 'full' or 'selective'")
         self.block = block
+        self.variant = variant
         self.previous = block.__dict__.get("forward", _MISSING)
         self.original = self.previous if self.previous is not _MISSING else _plain_forward(block)
         self.calls = 0
@@ -36,8 +65,9 @@ class Recompute:
         if not self.enabled or not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
         self.calls += 1
+        extra = {"context_fn": _selective_contexts} if self.variant == "selective" else {}
         return torch.utils.checkpoint.checkpoint(self.original, *args, use_reentrant=False,
-                                                 preserve_rng_state=True, **kwargs)
+                                                 preserve_rng_state=True, **extra, **kwargs)
 
     def install(self) -> Recompute:
         self.block.forward = self
