@@ -72,7 +72,7 @@ def test_wrap_quantizes_and_streams_when_param_offload_auto_implies_nf4(monkeypa
     quantize='auto' becomes the implied NF4, and the chosen blocks stream their codes."""
     from trainstream import _wrap
 
-    monkeypatch.setattr(_wrap, "_auto_param_offload", lambda m, d, o: ([0, 1], "param_offload='auto': test", "nf4"))
+    monkeypatch.setattr(_wrap, "_auto_param_offload", lambda m, d, o, inputs=None: ([0, 1], "param_offload='auto': test", "nf4"))
     model, opt = trainstream.wrap(_lora(), lr=1e-3, quantize="auto", param_offload="auto")
     _train(model, opt, steps=2)
     report = trainstream.memory_report(model)

@@ -71,13 +71,14 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     device = _training_device(model, opts.device)
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     offload_why = None
+    inputs = _plan_inputs(model, device, opts)  # the blocks, the model's facts and the budget, measured once
     if opts.param_offload == "auto":
-        opts.param_offload, offload_why, implied = _auto_param_offload(model, device, opts)
+        opts.param_offload, offload_why, implied = _auto_param_offload(model, device, opts, inputs)
         if implied is not None:
             opts.quantize = implied
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     streamer = _weight_streamer(model, device, opts)
-    plan = _plan(model, device, opts, streamer)  # before anything is allocated; PlanRefused when nothing fits
+    plan = _plan(model, device, opts, streamer, inputs)  # before anything is allocated; PlanRefused when nothing fits
     if streamer is not None and opts.quantize == "auto":
         fmt, why = None, "auto: param_offload streams the weights as they are stored, so none are quantized"
     else:
@@ -140,16 +141,23 @@ def _weight_streamer(model: torch.nn.Module, device: torch.device, opts) -> Weig
     return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth)
 
 
-def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts) -> tuple[list[int] | bool, str, str | None]:
+def _plan_inputs(model: torch.nn.Module, device: torch.device, opts) -> tuple[list, object, object]:
+    """(blocks, describe_model's facts, wrap_budget's budget): what every plan of one wrap() reads."""
+    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    facts = describe_model(model, blocks)
+    return blocks, facts, wrap_budget(device, opts, facts)
+
+
+def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts,
+                        inputs=None) -> tuple[list[int] | bool, str, str | None]:
     """param_offload='auto': (the blocks to stream, why, the quantization it implies or None): the
     fewest blocks with which the plan fits (spread through the stack, as ts-planner spreads them), with
     the weights as ``quantize`` stores them. quantize='auto' streams nothing while some quantization
     fits (quantizing is the faster way to fit); when none does, NF4 codes stream."""
-    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
-    facts = describe_model(model, blocks)
+    blocks, facts, budget = inputs or _plan_inputs(model, device, opts)
     if facts.shape is None or not blocks:
         return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
-    budget, activations = wrap_budget(device, opts, facts), _activations(opts, len(blocks))
+    activations = _activations(opts, len(blocks))
     fmt, implied = opts.quantize, None
     if fmt == "auto":
         plan = plan_wrap(facts, budget, quantize="auto", moment_dtype=opts.moment_dtype, activations=activations,
@@ -192,15 +200,14 @@ def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -
                 module._buffers[name] = b.to(device)
 
 
-def _plan(model: torch.nn.Module, device: torch.device, opts, streamer) -> WrapPlan:
+def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=None) -> WrapPlan:
     """ts-planner's plan for the live model and these options; PlanRefused (check_memory=True) when
     even one token per step does not fit."""
-    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
-    facts = describe_model(model, blocks)
+    blocks, facts, budget = inputs or _plan_inputs(model, device, opts)
     auto = opts.quantize == "auto"
     quantize = ("auto" if device.type == "cuda" and streamer is None else None) if auto else opts.quantize
     streamed = len(streamer.streamed) if streamer is not None else 0
-    plan = plan_wrap(facts, wrap_budget(device, opts, facts), quantize=quantize, moment_dtype=opts.moment_dtype,
+    plan = plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
                      activations=_activations(opts, len(blocks)), streamed_blocks=streamed)
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
