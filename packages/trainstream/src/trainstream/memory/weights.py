@@ -27,6 +27,10 @@ Invariants:
      last use, so before a fetch allocates, the host waits for all but ``_FREEING_SLACK`` of the
      evictions still pending on the GPU. (Unbounded, the host queues the copies of the whole
      stack; under a VRAM cap the allocator then frees its cache and synchronizes, mid-step.)
+  5. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
+     blocks are one shared-memory region per machine (``shared_host``), filled once by the machine's
+     lowest rank and never written by a fetch; each process page-locks its mapping for itself.
+     (``load_state_dict`` writes it from every rank: the same values, as every rank loads the same state.)
 """
 
 from __future__ import annotations
@@ -165,7 +169,13 @@ class WeightStreamer:
     """
 
     def __init__(self, blocks: list[torch.nn.Module], streamed, *, device: torch.device, prefetch_depth: int = 1,
-                 arena: ts_pinned.PinnedArena | None = None):
+                 arena: ts_pinned.PinnedArena | None = None, shared: bool | None = None,
+                 timeout: float | None = None):
+        """``shared``: the host copies of a data-parallel run are one per machine (invariant 5); None: when
+        an initialized process group has more than one rank (as ``distributed=None``), False: never.
+        ``timeout``: of its set-up's collectives (default ``trainstream.distributed.DEFAULT_TIMEOUT_S``)."""
+        if shared is not None and not isinstance(shared, bool):
+            raise ValueError(f"shared={shared!r} is not valid; use None, True or False")
         self.blocks = list(blocks)
         self.device = torch.device(device)
         self.prefetch_depth = prefetch_depth
@@ -185,6 +195,9 @@ class WeightStreamer:
         self.peak_resident = 0
         self.source: HostSource | PeerSource = HostSource()  # where fetched bytes come from
         self._qweights: dict[int, tuple] = {}  # id(QuantLinear) -> (module, its streamed QuantizedTensor)
+        self.shared, self.timeout = shared, timeout
+        self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 5)
+        self.shared_message = None  # what prepare() decided about sharing, for the event log
         self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0}
 
     # ---- setting up -----------------------------------------------------------------
@@ -201,25 +214,70 @@ class WeightStreamer:
         n = like.numel() * like.element_size()
         return buffer[offset:offset + n].view(like.dtype).view(like.shape)
 
+    def private_host_bytes(self) -> int:
+        """Host bytes this process alone holds for streamed blocks (0 when they are the machine's)."""
+        return 0 if self.region is not None else self.host_bytes()
+
+    def _wants_sharing(self) -> bool:
+        if self.shared is False or not self.streamed:
+            return False
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _share(self) -> dict[int, torch.Tensor] | None:
+        """Collective: {block index: its host buffer} in the machine's shared region, or None (private)."""
+        from .. import distributed as tsd
+        from . import shared_host
+
+        bases, total = {}, 0
+        for i, b in self.streamed.items():
+            bases[i], total = total, total + b.nbytes
+        layout = [(i, n, str(p.dtype), tuple(p.shape)) for i, b in self.streamed.items() for _m, n, p in b.params]
+
+        def fill(region: torch.Tensor) -> None:
+            for i, b in self.streamed.items():
+                for (_m, _n, p), offset in zip(b.params, b.offsets):
+                    self._view(region, bases[i] + offset, p).copy_(p.detach())
+
+        timeout = tsd.DEFAULT_TIMEOUT_S if self.timeout is None else self.timeout
+        self.region, self.shared_message = shared_host.share(total, shared_host.layout_digest(layout), fill,
+                                                             device=self.device, timeout=timeout)
+        if self.region is None:
+            return None
+        return {i: self.region.tensor[bases[i]:bases[i] + b.nbytes] for i, b in self.streamed.items()}
+
     def prepare(self) -> None:
         """Copies each streamed block's frozen weights into one host buffer; the parameters then
-        point at their host copies (the old storage is released where nothing else holds it)."""
+        point at their host copies (the old storage is released where nothing else holds it).
+        Collective under data parallel (invariant 5)."""
         for b in self.streamed.values():
             for module, name, _p in b.params:
                 if name == "qweight.data":  # what after_load() gives back to the module
                     self._qweights[id(module)] = (module, module.__dict__["qweight"])
-            host = self.arena.empty(b.nbytes, torch.uint8, tag="weights", allow_pageable=True)
+        shared = self._share() if self._wants_sharing() else None
+        for i, b in self.streamed.items():
+            if shared is not None:  # the machine's leader filled it
+                host = shared[i]
+            else:
+                host = self.arena.empty(b.nbytes, torch.uint8, tag="weights", allow_pageable=True)
+                for (_m, _n, p), offset in zip(b.params, b.offsets):
+                    self._view(host, offset, p).copy_(p.detach())
             for (_m, _n, p), offset in zip(b.params, b.offsets):
-                view = self._view(host, offset, p)
-                view.copy_(p.detach())
-                p.data = view
+                p.data = self._view(host, offset, p)
             b.host = host
 
     def attach(self) -> WeightStreamer:
+        if self.region is not None and self.channel.is_cuda:
+            why = self.region.register()
+            if why is not None:
+                self.shared_message += f"; pageable in this process: {why}"
         for b in self.streamed.values():
             b.device = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
             b.device.untyped_storage().resize_(0)
-            b.pinned = self.channel.is_cuda and self.arena.is_pinned(b.host)
+            if self.region is not None:
+                b.pinned = self.channel.is_cuda and self.region.registered
+            else:
+                b.pinned = self.channel.is_cuda and self.arena.is_pinned(b.host)
         for module, index in self._modules.values():
             hooks = [EngineHook(self._before_forward(index)), EngineHook(self._after_forward(index))]
             self._hooks += hooks
@@ -432,10 +490,20 @@ class WeightStreamer:
                 where = self.device if to_device else (device or torch.device("cpu"))
                 p.data = host.to(where, copy=True)
             b.device = b.ready = None
+        if self.region is not None:  # nothing views it any more: this process unmaps it
+            for b in self.streamed.values():
+                b.host = None
+            region, self.region = self.region, None
+            region.release()
 
     def stats(self) -> dict:
         resident = sum(self.streamed[i].nbytes for i in self._lru)
         return {**self.counters, **self.source.stats(), "source": self.source.kind,
                 "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
+                "shared_host_bytes": self.region.nbytes if self.region is not None else 0,
+                "private_host_bytes": self.private_host_bytes(),
+                "host_owner": self.region is None or self.region.leader,
+                "local_ranks": self.region.local_ranks if self.region is not None else 1,
+                "shared": self.shared_message,
                 "resident_blocks": len(self._lru), "peak_resident_blocks": self.peak_resident,
                 "device_bytes": resident}
