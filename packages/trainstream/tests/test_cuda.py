@@ -194,13 +194,16 @@ def test_reads_right_after_step_see_the_update_on_cuda():
 
 
 def test_guard_params_costs_little_on_cuda():
-    """guard_params=True against False on the same model: the step time may grow by a few percent at most."""
-    def median_step(guard):
+    """guard_params=True against False on the same model: the step time may grow by a few percent at most.
+    The two runs alternate step by step and the fastest steps are compared: on the shared H200 host a
+    median of ten sequential steps moved by 13 % between identical runs (2026-12-01)."""
+    runs = {}
+    for guard in (False, True):
         model = _mid_llama(layers=8).cuda().to(torch.bfloat16)
-        model, opt = trainstream.wrap(model, lr=1e-4, offload=True, guard_params=guard)
-        data = batches(12, vocab=4096, batch=4, seq=512)
-        times = []
-        for ids in data:
+        runs[guard] = (*trainstream.wrap(model, lr=1e-4, offload=True, guard_params=guard), [])
+    for ids in batches(16, vocab=4096, batch=4, seq=512):
+        for guard in (False, True):
+            model, opt, times = runs[guard]
             torch.cuda.synchronize()
             start = time.perf_counter()
             loss_of(model, ids.cuda()).backward()
@@ -208,11 +211,10 @@ def test_guard_params_costs_little_on_cuda():
             opt.zero_grad()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+    for model, _opt, _times in runs.values():
         trainstream.unwrap(model)
-        return sorted(times[2:])[len(times[2:]) // 2]
-
-    unguarded, guarded = median_step(False), median_step(True)
-    print(f"median step guard_params=False {unguarded:.4f} s, True {guarded:.4f} s")
+    unguarded, guarded = (sorted(runs[g][2][3:])[2] for g in (False, True))  # third fastest after warm-up
+    print(f"fast steps guard_params=False {unguarded:.4f} s, True {guarded:.4f} s")
     assert guarded < unguarded * 1.10
 
 
