@@ -38,27 +38,28 @@ def shm_files() -> list[str]:
     return sorted(n for n in os.listdir(shared_host.SHM_DIR) if n.startswith(shared_host.PREFIX))
 
 
-def train(rank: int, world: int) -> dict:
+def train(rank: int, world: int, device: str = "cpu") -> dict:
     """STEPS steps of param_offload=True on this rank's share of the global batches (all of it alone)."""
-    model, opt = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True, threads=1)
+    model, opt = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True, threads=1, device=device)
     streamer = model._trainstream_session.weights
     ptrs = {i: b.host.data_ptr() for i, b in streamer.streamed.items()}
     n = GLOBAL // world
     losses = []
     for step in range(STEPS):
-        loss = model(global_batch(step)[rank * n:(rank + 1) * n])
+        loss = model(global_batch(step)[rank * n:(rank + 1) * n].to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    result = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+    result = {"losses": losses, "params": [p.detach().to("cpu", copy=True) for p in model.parameters()],
               "maps": {i: mapping_of(ptr) for i, ptr in ptrs.items()},
               "private_weights_bytes": ts_pinned.pinned_stats()["by_tag"].get("weights", {}),
-              "stats": streamer.stats(), "files_while_training": shm_files()}
+              "stats": streamer.stats(), "files_while_training": shm_files(),
+              "pinned": [b.pinned for b in streamer.streamed.values()]}
     trainstream.unwrap(model)
     result["maps_after_unwrap"] = {i: mapping_of(ptr) for i, ptr in ptrs.items()}
     result["files_after_unwrap"] = shm_files()
-    result["params_after_unwrap"] = [p.detach().clone() for p in model.parameters()]
+    result["params_after_unwrap"] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
     return result
 
 
@@ -82,10 +83,25 @@ def worker(rank: int, world: int, port: int, out: str, scenario: str, prefix: st
                             timeout=datetime.timedelta(seconds=60))
     result = {}
     try:
-        if scenario == "train":
-            result["shared"] = train(rank, world)
+        if scenario in ("train", "train_cuda"):
+            device = "cuda:0" if scenario == "train_cuda" else "cpu"  # both ranks on the one GPU
+            if scenario == "train_cuda":
+                torch.cuda.set_device(0)
+            result["shared"] = train(rank, world, device)
             weights.WeightStreamer.__init__.__kwdefaults__["shared"] = False  # one copy per rank, as before
-            result["private"] = train(rank, world)
+            result["private"] = train(rank, world, device)
+        elif scenario == "no_room":  # /dev/shm cannot hold the region: private copies, with the reason
+            def full(fd, offset, length):
+                raise OSError(28, "No space left on device")
+            os.posix_fallocate = full
+            result["run"] = train(rank, world)
+        elif scenario == "mismatch":  # rank 1 streams other blocks
+            try:
+                trainstream.wrap(_frozen_stack(depth=4 if rank == 0 else 3), lr=1e-3, param_offload=True, threads=1)
+                result["error"] = None
+            except Exception as error:
+                result["error"] = f"{type(error).__name__}: {error}"
+            result["files"] = shm_files()
         else:  # "leader_dies" / "follower_dies": during the set-up
             if (scenario == "leader_dies") == (rank == 0):
                 _die_in("_create" if rank == 0 else "_open")

@@ -119,6 +119,25 @@ def test_a_rank_dying_during_set_up_is_a_clear_error_and_leaves_no_file(tmp_path
     assert not [n for n in os.listdir(shared_host.SHM_DIR) if n.startswith(prefix)]
 
 
+def test_no_room_in_dev_shm_keeps_private_copies_with_the_reason(tmp_path):
+    results, prefix = _run(tmp_path, "no_room")
+    for r in results:
+        assert "failed" not in r, r.get("failed")
+        stats = r["run"]["stats"]
+        assert stats["shared_host_bytes"] == 0 and stats["private_host_bytes"] == stats["host_bytes"] > 0
+        assert "a private host copy per rank" in stats["shared"] and "could not hold" in stats["shared"]
+        assert r["run"]["files_while_training"] == []
+    assert not [n for n in os.listdir(shared_host.SHM_DIR) if n.startswith(prefix)]
+
+
+def test_other_streamed_blocks_on_a_rank_are_a_model_mismatch_on_every_rank(tmp_path):
+    results, _ = _run(tmp_path, "mismatch")
+    for r in results:
+        assert "failed" not in r, r.get("failed")
+        assert r["error"].startswith("ModelMismatch") and "streamed blocks" in r["error"], r["error"]
+        assert r["files"] == []
+
+
 def test_one_process_keeps_a_private_copy():
     model, _ = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True)
     stats = model._trainstream_session.weights.stats()
@@ -130,3 +149,20 @@ def test_one_process_keeps_a_private_copy():
 def test_bad_shared_option_is_refused():
     with pytest.raises(ValueError, match="shared="):
         WeightStreamer([torch.nn.Linear(2, 2)], [0], device=torch.device("cpu"), shared="yes")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_two_ranks_on_one_gpu_share_a_page_locked_host_copy(tmp_path):
+    results, prefix = _run(tmp_path, "train_cuda", limit=300.0)
+    for rank, r in enumerate(results):
+        assert "failed" not in r, r.get("failed")
+        shared, private = r["shared"], r["private"]
+        assert shared["losses"] == private["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(shared["params"], private["params"]))
+        assert all(shared["pinned"]), shared["stats"]["shared"]  # each process registered the mapping
+        assert shared["stats"]["bounce_bytes"] == 0 and shared["stats"]["private_host_bytes"] == 0
+        assert shared["stats"]["host_owner"] == (rank == 0)
+        assert shared["files_after_unwrap"] == []
+    assert results[0]["shared"]["maps"] == results[1]["shared"]["maps"]
+    assert not [n for n in os.listdir(shared_host.SHM_DIR) if n.startswith(prefix)]

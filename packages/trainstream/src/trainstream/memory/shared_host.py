@@ -93,7 +93,7 @@ class SharedRegion:
         if not torch.cuda.is_available():
             return "no CUDA device"
         # ts-pinned has no API to page-lock memory it did not allocate: torch's binding of the runtime call.
-        err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 1))  # portable
         if err != 0:
             _clear_cuda_error()
             return f"cudaHostRegister failed (cudaError {err}; the memlock limit?)"
