@@ -95,6 +95,11 @@ def worker(rank: int, world: int, port: int, out: str, scenario: str, prefix: st
                 raise OSError(28, "No space left on device")
             os.posix_fallocate = full
             result["run"] = train(rank, world)
+        elif scenario == "two_machines":  # ranks 0 and 1 on one machine, the last alone on another
+            if rank == world - 1:
+                key = shared_host.machine_key()
+                shared_host.machine_key = lambda: key + "|elsewhere"
+            result["run"] = train(rank, world)
         elif scenario == "mismatch":  # rank 1 streams other blocks
             try:
                 trainstream.wrap(_frozen_stack(depth=4 if rank == 0 else 3), lr=1e-3, param_offload=True, threads=1)

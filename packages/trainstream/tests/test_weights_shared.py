@@ -21,9 +21,9 @@ from trainstream.memory.weights import WeightStreamer
 pytestmark = pytest.mark.skipif(not os.path.isdir(shared_host.SHM_DIR), reason="no /dev/shm")
 
 
-def _run(tmp_path, scenario: str, limit: float = 120.0) -> tuple[list[dict], str]:
+def _run(tmp_path, scenario: str, limit: float = 120.0, world: int = 2) -> tuple[list[dict], str]:
     prefix = f"trainstream-weights-test-{uuid.uuid4().hex[:8]}-"
-    ctx = mp.start_processes(worker, args=(2, free_port(), str(tmp_path), scenario, prefix), nprocs=2,
+    ctx = mp.start_processes(worker, args=(world, free_port(), str(tmp_path), scenario, prefix), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + limit
     try:
@@ -35,7 +35,7 @@ def _run(tmp_path, scenario: str, limit: float = 120.0) -> tuple[list[dict], str
             if p.is_alive():
                 p.kill()
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) if (tmp_path / f"rank{r}.pt").exists()
-               else None for r in range(2)]
+               else None for r in range(world)]
     return results, prefix
 
 
@@ -127,6 +127,19 @@ def test_no_room_in_dev_shm_keeps_private_copies_with_the_reason(tmp_path):
         assert stats["shared_host_bytes"] == 0 and stats["private_host_bytes"] == stats["host_bytes"] > 0
         assert "a private host copy per rank" in stats["shared"] and "could not hold" in stats["shared"]
         assert r["run"]["files_while_training"] == []
+    assert not [n for n in os.listdir(shared_host.SHM_DIR) if n.startswith(prefix)]
+
+
+def test_ranks_alone_on_their_machine_keep_private_copies_beside_a_shared_one(tmp_path):
+    results, prefix = _run(tmp_path, "two_machines", world=3)
+    for r in results:
+        assert "failed" not in r, r.get("failed")
+    runs = [r["run"] for r in results]
+    assert runs[0]["maps"] == runs[1]["maps"] and runs[0]["stats"]["local_ranks"] == 2
+    assert runs[0]["stats"]["shared_host_bytes"] > 0 and runs[2]["stats"]["shared_host_bytes"] == 0
+    assert "one rank on this machine" in runs[2]["stats"]["shared"]
+    assert runs[2]["private_weights_bytes"]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[2]["params"]))  # one model everywhere
     assert not [n for n in os.listdir(shared_host.SHM_DIR) if n.startswith(prefix)]
 
 

@@ -168,14 +168,13 @@ def share(nbytes: int, digest: str, fill, *, device: torch.device, timeout: floa
         statuses = _gather(comm, status, what)
         if failure is not None:
             raise failure
-        if alone:
-            return None, "one rank on this machine: a private host copy"
+        fatal = next((i for i, st in enumerate(statuses) if st.get("fatal")), None)
+        if fatal is not None:  # every rank stops here, those of other machines too
+            raise RuntimeError(f"rank {fatal} failed to fill the shared host copy of the streamed weights: "
+                               f"{statuses[fatal]['why']}")
         theirs = statuses[leader]
-        if theirs.get("fatal"):
-            raise RuntimeError(f"rank {leader} (this machine's leader) failed to fill the shared host copy of the "
-                               f"streamed weights: {theirs['why']}")
         mapped = {"ok": theirs["ok"]}
-        if theirs["ok"]:
+        if theirs["ok"] and not alone:
             try:
                 if not lead:
                     tensor = _open(path, nbytes, theirs["inode"])
@@ -183,6 +182,8 @@ def share(nbytes: int, digest: str, fill, *, device: torch.device, timeout: floa
             except OSError as error:
                 mapped = {"ok": False, "why": f"rank {comm.rank} could not map {path} ({error})"}
         mapped_all = _gather(comm, mapped, what)
+        if alone:
+            return None, "one rank on this machine: a private host copy"
         _unlink(path)  # every local rank mapped it (or gave up): the file's name is no longer needed
         failed = [m for i, m in enumerate(mapped_all) if i in local and not m["ok"]]
         if not theirs["ok"] or failed:
