@@ -88,7 +88,11 @@ def worker(rank: int, world: int, port: int, out: str, scenario: str, prefix: st
             if scenario == "train_cuda":
                 torch.cuda.set_device(0)
             result["shared"] = train(rank, world, device)
-            weights.WeightStreamer.__init__.__kwdefaults__["shared"] = False  # one copy per rank, as before
+            original = weights.WeightStreamer.__init__
+
+            def private(self, *args, **kwargs):  # one copy per rank, as before
+                original(self, *args, **{**kwargs, "shared": False})
+            weights.WeightStreamer.__init__ = private
             result["private"] = train(rank, world, device)
         elif scenario == "no_room":  # /dev/shm cannot hold the region: private copies, with the reason
             def full(fd, offset, length):

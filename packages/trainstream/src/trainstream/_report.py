@@ -70,7 +70,9 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         steps = max(session.steps, 1)
         report["params"].update({"paged_blocks": stats["streamed_blocks"], "host_bytes": stats["host_bytes"],
                                  "load_bytes": stats["h2d_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
-                                 "peer_bytes": stats.get("peer_bytes", 0), "streaming": stats})
+                                 "peer_bytes": stats.get("peer_bytes", 0),
+                                 "shared_host_bytes": stats.get("shared_host_bytes", 0),
+                                 "host_owner": stats.get("host_owner"), "streaming": stats})
     if session.attention is not None:
         report["attention"] = session.attention.report()
     if session.engine.step_hook is not None:

@@ -130,6 +130,8 @@ class TrainStreamSession:
             if self.weights is not None:
                 self.weights.attach()
                 self.events.add("weights", self._streaming_message())
+                if self.weights.shared_message:
+                    self.events.add("weights", self.weights.shared_message)
             self.activations = ActivationPolicy(model, options, device, self.arena, self.events,
                                                 reserved_link_bytes=self._upload_bytes_per_step)
             if self.weights is not None and self.activations.offloader is not None:

@@ -138,7 +138,7 @@ def _weight_streamer(model: torch.nn.Module, device: torch.device, opts) -> Weig
         raise ValueError("param_offload= needs the model's repeated blocks, and find_blocks() found none: "
                          "pass blocks=[...]")
     chosen = blocks_of("param_offload", opts.param_offload, len(blocks))
-    return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth)
+    return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth, shared=opts.distributed)
 
 
 def _plan_inputs(model: torch.nn.Module, device: torch.device, opts) -> tuple[list, object, object]:
