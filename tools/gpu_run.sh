@@ -7,9 +7,11 @@
 #
 # Packages default to every one under packages/. The device tool's call is e.g.
 #   bash tools/gpu_run.sh -b "pinned adamw" ts-pinned ts-adamw
-# -w DIR: reuse the wheels in DIR (e.g. a carried .whl/gpu) of every core whose sources are unchanged
-#   (each wheel has a DIR/<name>.sources hash beside it); the cores built here are saved with their
-#   hashes in $OUT/wheels, to carry to the next call (building every core takes ~110 s on the H200).
+# -w DIR: reuse the wheels in DIR (e.g. a carried .whl/gpu, or a wheels.tar an earlier call returned) of
+#   every core whose sources are unchanged (each wheel has a DIR/<name>.sources hash beside it); the cores
+#   built here are saved with their hashes in $OUT/wheels.tar, to carry to the next call (building every
+#   core takes ~110 s on the H200). Build logs go to $OUT/build-logs.tar: the device tool returns at
+#   most 8 files.
 # -T: build and install only, no tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,9 @@ done
 sources_hash() { (cd "$1" && find . -type f -not -path './build/*' -not -name '*.pyc' -not -path '*/__pycache__/*' \
                   -print0 | LC_ALL=C sort -z | xargs -0 sha1sum | sha1sum | cut -c1-40); }
 shift $((OPTIND - 1))
+if [[ "$wheels" == *.tar ]]; then  # unpack a returned wheels.tar beside itself, under /tmp
+  mkdir -p /tmp/carried-wheels && tar xf "$wheels" -C /tmp/carried-wheels && wheels=/tmp/carried-wheels/wheels
+fi
 order="ts-pinned ts-adamw ts-quant ts-kvcache ts-peer ts-planner trainstream"
 wanted=${*:-$order}
 # The GPU image's default compiler (/opt/gcc/bin/g++) links libstdc++ statically;
@@ -64,6 +69,7 @@ for dir in "${install[@]}"; do
   fi
   if [[ -n "$carried" ]]; then
     ok=$(python3 -m pip install -q --no-deps --force-reinstall "$carried" > "$OUT/build-$name.log" 2>&1 && echo 1)
+    cp "$carried" "$wheels/$name.sources" "$OUT/wheels/"  # the returned archive stays complete
     what="installed the carried wheel of"
   elif [[ "$name" == trainstream ]]; then  # pure Python: nothing to carry
     ok=$(python3 -m pip install -q --no-build-isolation --no-deps "$dir" > "$OUT/build-$name.log" 2>&1 && echo 1)
@@ -82,6 +88,9 @@ for dir in "${install[@]}"; do
     echo "BUILD FAILED: $name"; tail -30 "$OUT/build-$name.log"; status=1
   fi
 done
+# Few files come back from the device: the wheels and the logs travel as one archive each.
+tar cf "$OUT/wheels.tar" -C "$OUT" wheels && rm -rf "$OUT/wheels"
+tar cf "$OUT/build-logs.tar" -C "$OUT" $(cd "$OUT" && ls build-*.log) && rm -f "$OUT"/build-*.log
 [[ -n "$no_tests" ]] && exit $status
 
 python3 -m pytest -q -p no:cacheprovider ${select:+-k "$select"} ${markers:+-m "$markers"} "${tests[@]}" tests 2>&1 | tee "$OUT/tests.log" | tail -40

@@ -184,8 +184,25 @@ def test_choice_is_the_argmin_of_the_valid_candidates(flash_ms, math_ms, broken)
     order = [_measure.name_of(b) for b in _measure.priority_order()]  # ties go to PyTorch's first
     expected = min(valid, key=lambda n: (valid[n], order.index(n)))
     assert report["chosen"][label] == expected == report["backend"]
+    assert list(report["timings_ms"][label]) == [n for n in order if n in valid]  # measured in that order
     if broken:
         assert report["skipped"][label]["flash"].startswith("disagrees with the math backend: relative error")
+
+
+@_PROPERTY
+@given(first_ms=st.floats(0.5, 2.0), ratio=st.one_of(st.floats(0.8, 0.9), st.floats(0.96, 0.999)))
+def test_a_near_tie_goes_to_the_backend_pytorch_tries_first(first_ms, ratio):
+    """Timings within 5% of the fastest are noise: the choice must not flip between runs."""
+    order = [_measure.name_of(b) for b in _measure.priority_order() if b in (FLASH, MATH)]
+    table = {order[0]: first_ms, order[1]: first_ms * ratio}
+    chooser = AttentionChooser("auto", timer=fake_timer(table))
+    model = Attention()
+    chooser.install(model)
+    _grads(model, torch.randn(1, 8, 32))
+    report = chooser.report()
+    (label,) = report["timings_ms"]
+    # the second backend is either clearly faster (the measurement decides) or within 4% (a tie)
+    assert report["chosen"][label] == (order[1] if ratio <= 0.9 else order[0])
 
 
 @_PROPERTY
