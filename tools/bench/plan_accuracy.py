@@ -30,6 +30,7 @@ peak, median step, stalls, events); the table goes to stdout. Rates are the plan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -162,6 +163,8 @@ def run_scenario(name: str, scenario: dict, cap_gb: float | None, measure: bool)
             f": {text[:600]}"
         sample()
         row["measured_peak_bytes"] = peak if cuda else None
+        with contextlib.suppress(Exception):  # what the wrapped model decided before it failed
+            row["events"] = trainstream.memory_report(model)["events"]
         return row
     report = trainstream.memory_report(model)
     warm = 2 if len(times) > 3 else 0

@@ -182,6 +182,22 @@ def test_recompute_alone_measures_block_0_in_vram_and_recomputes_what_does_not_f
     trainstream.unwrap(model)
 
 
+def test_auto_recomputes_whole_blocks_even_when_selective_is_asked(fake_device):
+    """The tuner prices a recomputed block at its inputs; a selective one keeps its matmul outputs too
+    (the 14B LoRA at 1 x 2048 ran out of VRAM in its probe step on the H200): 'auto' uses 'full'."""
+    device = fake_device(recompute_s=1.0, page_s=3.0)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0, recompute_variant="selective")
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    _run(model, opt, steps=4)
+    assert policy._recompute and all(r.variant == "full" for r in policy._recompute.values())
+    assert any("recompute='auto' recomputes whole blocks" in e for e in trainstream.memory_report(model)["events"])
+    trainstream.unwrap(model)
+    explicit, _ = trainstream.wrap(Stack(depth=4), lr=1e-3, recompute=[1, 2], recompute_variant="selective")
+    assert {r.variant for r in explicit._trainstream_session.activations._recompute.values()} == {"selective"}
+    trainstream.unwrap(explicit)
+
+
 def test_a_paging_trial_the_link_cannot_win_is_not_run(fake_device):
     device = fake_device(recompute_s=3.0, page_s=0.1)
     device._link = device.block_bytes / 10.0  # 3 blocks out and back: 60 s on the link

@@ -202,7 +202,8 @@ def test_a_near_tie_goes_to_the_backend_pytorch_tries_first(first_ms, ratio):
     report = chooser.report()
     (label,) = report["timings_ms"]
     # the second backend is either clearly faster (the measurement decides) or within 4% (a tie)
-    assert report["chosen"][label] == (order[1] if ratio <= 0.9 else order[0])
+    expected = order[1] if ratio <= 0.9 else order[0]
+    assert report["chosen"][label] == expected == report["backend"]  # the report and the pin that ran
 
 
 @_PROPERTY

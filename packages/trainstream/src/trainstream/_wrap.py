@@ -14,6 +14,7 @@ from ._session import TrainStreamSession
 from ._stalls import attach_stall_clock
 from .engine import SlotState
 from .memory.activations import blocks_of
+from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
 from .memory.plan import PlanRefused, WrapPlan, describe_model, plan_wrap, vram_budget, wrap_budget
 from .memory.quantize import choose_quantize, quantize_model
@@ -86,6 +87,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     undo = _ModelUndo(model)
     session = None
     origin = streamer.origin() if streamer is not None else None
+    allocator_why = use_expandable_segments(device)  # before the quantize and move below allocate
     try:
         quantized = quantize_model(model, fmt, _replaced=undo.replaced) if fmt else None
         if streamer is not None and quantized:
@@ -99,6 +101,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         session.plan = plan.to_dict()
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
+        if allocator_why:
+            session.events.add("memory", allocator_why)
         if offload_why:
             session.events.add("weights", offload_why)
         if why:

@@ -45,6 +45,7 @@ from ._measure import (
     priority_order,
     refusal,
     run_backend,
+    tie_ranked,
 )
 from ._pin import Pin, caller_state, initialize_order
 
@@ -485,7 +486,7 @@ class AttentionChooser:
                 return None
             order = [name_of(b) for b in priority_order()]
             valid = set.intersection(*(set(m.timings_ms) for m in measured))
-            names = sorted(valid, key=lambda n: (sum(m.timings_ms[n] for m in measured), order.index(n)))
+            names = tie_ranked({n: sum(m.timings_ms[n] for m in measured) for n in valid}, order)
             ranked = [BACKENDS[n] for n in names]
             if SDPBackend.MATH not in ranked and SDPBackend.MATH in enabled:
                 ranked.append(SDPBackend.MATH)  # the fallback that runs every shape

@@ -208,12 +208,20 @@ class Measurement:
         return sorted(self.timings_ms, key=self.timings_ms.__getitem__)
 
     def pick(self) -> str | None:
-        """The backend to pin: the first in measuring order (PyTorch's priority) within NEAR_TIE of
-        the fastest valid one; None when none is valid."""
-        if not self.timings_ms:
-            return None
-        fastest = min(self.timings_ms.values())
-        return next(n for n, t in self.timings_ms.items() if t <= fastest * (1 + NEAR_TIE))
+        """The backend to pin for this shape alone (tie_ranked's first); None when none is valid."""
+        ranked = tie_ranked(self.timings_ms, list(self.timings_ms))
+        return ranked[0] if ranked else None
+
+
+def tie_ranked(times_ms: dict[str, float], order: list[str]) -> list[str]:
+    """The backends of ``times_ms`` fastest first, except that the first place goes to the earliest in
+    ``order`` (PyTorch's priority) within NEAR_TIE of the fastest."""
+    ranked = sorted(times_ms, key=lambda n: (times_ms[n], order.index(n)))
+    if not ranked:
+        return ranked
+    limit = times_ms[ranked[0]] + abs(times_ms[ranked[0]]) * NEAR_TIE
+    first = min((n for n in ranked if times_ms[n] <= limit), key=order.index)
+    return [first, *(n for n in ranked if n != first)]
 
 
 def _reduced(call: SdpaCall, max_heads: int) -> SdpaCall:

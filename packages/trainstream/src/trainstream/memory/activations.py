@@ -113,11 +113,19 @@ class ActivationPolicy:
                 self._use_cache, self._config.use_cache = True, False
                 events.add("activations", "recompute: the model's KV cache is off while wrapped (use_cache=False), "
                                           "as Hugging Face does for gradient checkpointing")
-            if may_recompute and options.recompute_variant == "selective":
+            variant = options.recompute_variant
+            if may_recompute and variant == "selective" and tuned:
+                # The tuner prices a recomputed block at its inputs alone; selective blocks also keep
+                # their matmul outputs (H200, 14B at 1 x 2048: out of memory in the probe step).
+                variant = "full"
+                events.add("activations", "recompute_variant='selective' is for blocks named with recompute=True "
+                                          "or a list; recompute='auto' recomputes whole blocks, since it prices a "
+                                          "recomputed block as keeping its inputs only")
+            elif may_recompute and variant == "selective":
                 events.add("activations", "recompute_variant='selective': recomputed blocks keep their matmul outputs "
                                           "and recompute the rest (attention core, norms, elementwise ops)")
             for i in may_recompute:
-                self._recompute[i] = Recompute(self.blocks[i], options.recompute_variant).install()
+                self._recompute[i] = Recompute(self.blocks[i], variant).install()
                 self._recompute[i].enabled = i in self.recomputed
             if tuned:
                 self._probe_hooks(model)
