@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import trainstream
-from ts_testing import batches, loss_of, max_param_diff, tiny_llama
+from ts_testing import batches, loss_of, max_param_diff, tiny_llama, train
 
 pytestmark = pytest.mark.cuda
 
@@ -25,15 +25,7 @@ def _mid_llama(layers=8, hidden=1024):
 
 
 def _train(model, opt, data, device="cuda"):
-    losses = []
-    for ids in data:
-        loss = loss_of(model, ids.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    model._trainstream_session.synchronize()
-    return losses
+    return train(model, opt, data, device)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "gpu"])
@@ -464,14 +456,7 @@ def test_streamed_quantized_codes_train_like_resident_ones_on_cuda(quantize):
         # both quantized where the model is (the CPU), then moved or streamed: the same codes
         model, opt = trainstream.wrap(lora(), lr=1e-3, quantize=quantize, param_offload=offload, device="cuda",
                                       attention="default")
-        losses = []
-        for ids in batches(4, vocab=4096, batch=2, seq=128):
-            loss = loss_of(model, ids.cuda())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        model._trainstream_session.synchronize()
+        losses = _train(model, opt, batches(4, vocab=4096, batch=2, seq=128))
         runs.append((losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]))
         trainstream.unwrap(model)
     assert runs[0][0] == runs[1][0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import trainstream
 from test_activations import Stack, _run
-from ts_testing import batches, loss_of, tiny_llama
+from ts_testing import batches, tiny_llama, train
 
 
 def _frozen_stack(seed=0, depth=4):
@@ -57,15 +57,7 @@ def test_lora_on_a_streamed_base_is_bit_exact():
     runs = []
     for options in ({}, {"param_offload": True, "prefetch_depth": 1}):
         model, opt = trainstream.wrap(lora(), lr=1e-3, **options)
-        losses = []
-        for ids in batches(4):
-            loss = loss_of(model, ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        model._trainstream_session.synchronize()
-        runs.append((losses, _params(model)))
+        runs.append((train(model, opt, batches(4)), _params(model)))
         trainstream.unwrap(model)
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

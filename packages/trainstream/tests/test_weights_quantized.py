@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trainstream
-from ts_testing import batches, loss_of, tiny_llama
+from ts_testing import batches, tiny_llama, train
 
 peft = pytest.importorskip("peft")
 
@@ -18,15 +18,7 @@ def _lora(seed=0):
 
 
 def _train(model, opt, steps=4):
-    losses = []
-    for ids in batches(steps):
-        loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    model._trainstream_session.synchronize()
-    return losses
+    return train(model, opt, batches(steps))
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "int8"])

@@ -29,6 +29,22 @@ def loss_of(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
+def train(model, opt, data, device=None) -> list[float]:
+    """One step per batch of ``data`` (moved to ``device`` when given); the losses. Waits for a wrapped
+    model's host updates, so its parameters can be compared right after."""
+    losses = []
+    for ids in data:
+        loss = loss_of(model, ids if device is None else ids.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    session = getattr(model, "_trainstream_session", None)
+    if session is not None:
+        session.synchronize()
+    return losses
+
+
 def model_pair():
     """Two identical tiny Llamas (fp32, CPU)."""
     model = tiny_llama()

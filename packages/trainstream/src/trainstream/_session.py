@@ -94,7 +94,10 @@ class TrainStreamSession:
         if mode == "gpu" and not on_gpu:
             raise ValueError("optimizer_mode='gpu' needs a CUDA device; use 'cpu' or 'auto'")
         initial = "mapped" if mode == "gpu" else "host"
-        own, largest = _host_shares(trained, options.distributed)
+        from . import distributed as tsd
+
+        self.world = tsd.world_of(options.distributed)  # one answer for every decision below
+        own, largest = _host_shares(trained, self.world)
         # Under data parallel every rank decides on the largest rank's share, so all choose the same moments.
         plan = plan_host_memory([s.param for s in largest], initial, options.moment_dtype, options.check_memory)
         self.moment_dtype = plan.moment_dtype
@@ -136,9 +139,7 @@ class TrainStreamSession:
                                                 reserved_link_bytes=self._upload_bytes_per_step)
             if self.weights is not None and self.activations.offloader is not None:
                 self.activations.offloader.skip = self.weights.owns  # streamed weights are not activations
-            from . import distributed as tsd
-            world = 1 if options.distributed is False else tsd.active_world()
-            attention = resolve_wrap_default(options.attention, device, world, self.events)
+            attention = resolve_wrap_default(options.attention, device, self.world, self.events)
             self.attention = AttentionChooser(attention, events=self.events,
                                               may_reset_peak=lambda: self.adapting)
             self._attention = self.attention.install(model)
@@ -338,13 +339,12 @@ class TrainStreamSession:
                 self._interrupts = False
 
 
-def _host_shares(trained: list[ParamSlot], distributed) -> tuple[list[ParamSlot], list[ParamSlot]]:
+def _host_shares(trained: list[ParamSlot], world: int) -> tuple[list[ParamSlot], list[ParamSlot]]:
     """(this rank's trained slots, the largest rank's): under data parallel the owners that
     distributed.setup() assigns (the same pure rule), so host memory is planned and page-locked for
     this rank's share only; otherwise all of them, twice."""
     from . import distributed as tsd
 
-    world = 1 if distributed is False else tsd.active_world()
     if world < 2:
         return trained, trained
     owners = tsd.assign_owners([s.numel * s.param.element_size() for s in trained], world)

@@ -21,7 +21,7 @@ from .sharding import Bucket, assign_owners, make_buckets
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "Bucket", "Comm", "DataParallel", "DistributedError",
            "ModelMismatch", "active_world", "assign_owners", "check_same_model", "describe_slots", "make_buckets",
-           "report", "setup"]
+           "report", "setup", "world_of"]
 
 DEFAULT_TIMEOUT_S = 600.0  # each collective's wait; a rank that died or stalled raises after this
 # Bytes per bucket: NCCL as DDP's default; gloo on the CPU measured fastest at 2-4 MiB (8.4 M fp32 values
@@ -34,6 +34,12 @@ def active_world(group=None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
+
+
+def world_of(distributed) -> int:
+    """The data-parallel world wrap()'s ``distributed`` option stands for: 1 when False, else the
+    initialized process group's size (1 without one)."""
+    return 1 if distributed is False else active_world()
 
 
 def setup(slots: list, device: torch.device, events, *, enabled: bool | None = None, settings: dict | None = None,
