@@ -100,3 +100,42 @@ def test_wrap_streams_the_blocks_auto_chose_and_trains_like_resident(monkeypatch
     assert runs[0][0] == runs[1][0]
     assert runs[1][1]["params"]["paged_blocks"] == [0, 1, 2, 3]
     assert any("param_offload='auto'" in e for e in runs[1][1]["events"])
+
+
+def test_local_ranks_sharing_the_streamed_copy_count_it_once_per_machine(lora_7b_on_meta, monkeypatch):
+    """Under data parallel the streamed frozen weights are one /dev/shm copy per machine
+    (memory/shared_host.py): the plan counts each local rank's share, not a copy per rank."""
+    import collections
+
+    import trainstream.distributed as tsd
+    from trainstream.memory.blocks import find_blocks
+    from trainstream.memory.plan import describe_model, plan_wrap
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(_wrap.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    one = parse_options({"param_offload": True})
+    assert _wrap._streamed_shared_by(one, 1 << 30) == 1  # no process group
+    monkeypatch.setattr(tsd, "world_of", lambda distributed: 1 if distributed is False else 8)
+    assert _wrap._streamed_shared_by(one, 1 << 30) == 4  # 8 ranks, 4 on this machine
+    assert _wrap._streamed_shared_by(parse_options({"param_offload": True, "distributed": False}), 1 << 30) == 1
+    monkeypatch.setattr(_wrap.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, (1 << 30) - 1))
+    assert _wrap._streamed_shared_by(one, 1 << 30) == 1  # no room in /dev/shm: private copies
+
+    facts = describe_model(lora_7b_on_meta, find_blocks(lora_7b_on_meta))
+    budget = dataclasses.replace(_wrap.wrap_budget(torch.device("cpu"), one, facts), host_bytes=200 * GiB,
+                                 pinned_bytes=150 * GiB)
+    private, shared = (plan_wrap(facts, budget, quantize=None, streamed_blocks=28, streamed_shared_by=k).plan
+                       for k in (1, 4))
+    whole = private.estimate.pinned["streamed_weights"]
+    assert whole > 10 * GiB and shared.estimate.pinned["streamed_weights"] == -(-whole // 4)
+    assert private.host_bytes - shared.host_bytes == whole - -(-whole // 4)
+    # param_offload='auto' plans with the same sharing.
+    seen = []
+    real = _wrap.plan_wrap
+    monkeypatch.setattr(_wrap, "plan_wrap", lambda *a, **k: seen.append(k.get("streamed_shared_by")) or real(*a, **k))
+    monkeypatch.setattr(_wrap.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
+    _with_vram(monkeypatch, 16)
+    _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), parse_options({"param_offload": "auto",
+                                                                                   "quantize": None}))
+    assert seen and set(seen) == {4}

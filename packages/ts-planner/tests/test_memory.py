@@ -208,3 +208,26 @@ def test_machine_budget_takes_rates_from_a_profile():
     assert (budget.link_gbps, budget.host_adamw_params_per_s, budget.matmul_tflops) == (53.0, 4.1e9, 760.0)
     with pytest.raises(ValueError, match="headroom"):
         Budget(1, 1, 1, headroom=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(streamed=st.integers(0, 28), ranks=st.integers(1, 8), quantize=st.sampled_from([None, "nf4"]))
+def test_streamed_weights_shared_by_local_ranks_are_counted_once_per_machine(streamed, ranks, quantize):
+    """Data-parallel ranks of one machine map one host copy of the streamed frozen weights: each
+    process counts its share (the machine's RAM is split between them too); nothing else changes."""
+    shape = ModelShape.from_config(QWEN_1_5B)
+    alone = estimate_memory(shape, Options(train="lora", quantize=quantize, streamed_blocks=streamed))
+    shared = estimate_memory(shape, Options(train="lora", quantize=quantize, streamed_blocks=streamed,
+                                            streamed_shared_by=ranks))
+    whole = alone.pinned["streamed_weights"]
+    assert shared.pinned["streamed_weights"] == -(-whole // ranks)
+    assert shared.pinned["streamed_weights"] * ranks >= whole  # the machine holds the whole copy
+    assert {k: v for k, v in shared.pinned.items() if k != "streamed_weights"} == \
+        {k: v for k, v in alone.pinned.items() if k != "streamed_weights"}
+    assert shared.vram == alone.vram
+    # A full fine-tune's streamed blocks are each process's trained weights: never shared.
+    full = dict(train="full", optimizer="host", streamed_blocks=streamed)
+    assert estimate_memory(shape, Options(**full, streamed_shared_by=ranks)).pinned == \
+        estimate_memory(shape, Options(**full)).pinned
+    with pytest.raises(ValueError, match="streamed_shared_by"):
+        Options(streamed_shared_by=0)

@@ -4,8 +4,10 @@ model and the optimizer are as they were before the call."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 
 import torch
+import ts_planner
 
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
@@ -18,7 +20,7 @@ from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
 from .memory.plan import PlanRefused, WrapPlan, describe_model, plan_wrap, vram_budget, wrap_budget
 from .memory.quantize import choose_quantize, quantize_model
-from .memory.weights import WeightStreamer
+from .memory.weights import WeightStreamer, frozen_params_of
 
 __all__ = ["unwrap", "wrap"]
 
@@ -170,9 +172,11 @@ def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts,
             return False, ("param_offload='auto': none stream, quantize='auto' fits the weights "
                            "(pass quantize=None to stream exact weights instead)"), None
         fmt = implied = "nf4"  # nothing fits resident: the smallest codes stream
+    frozen = sum(t.numel() * t.element_size() for b in blocks for _m, _n, t in frozen_params_of(b))
+    shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
     for count in range(len(blocks) + 1):  # the fewest streamed blocks with which the plan's tokens fit
         plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
-                         streamed_blocks=count)
+                         streamed_blocks=count, streamed_shared_by=shared_by)
         if plan.plan is not None and plan.plan.fits:
             break
     chosen = list(plan.plan.streamed) if plan.plan is not None else []
@@ -211,11 +215,30 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     auto = opts.quantize == "auto"
     quantize = ("auto" if device.type == "cuda" and streamer is None else None) if auto else opts.quantize
     streamed = len(streamer.streamed) if streamer is not None else 0
+    shared_by = _streamed_shared_by(opts, streamer.host_bytes()) if streamed else 1
     plan = plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
-                     activations=_activations(opts, len(blocks)), streamed_blocks=streamed)
+                     activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
+                     streamed_shared_by=shared_by)
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan
+
+
+def _streamed_shared_by(opts, nbytes: int) -> int:
+    """How many processes of this machine will map one host copy of ``nbytes`` of streamed weights, as
+    WeightStreamer shares them (memory/shared_host.py): the local ranks under data parallel when
+    /dev/shm has room for the copy, else 1 (private copies)."""
+    from . import distributed as tsd
+    from .memory import shared_host
+
+    world = tsd.world_of(opts.distributed)
+    if world < 2 or nbytes <= 0:
+        return 1
+    try:
+        room = shutil.disk_usage(shared_host.SHM_DIR).free
+    except OSError:
+        return 1
+    return max(1, min(ts_planner.local_process_count(), world)) if room >= nbytes else 1
 
 
 def _activations(opts, count: int):

@@ -87,7 +87,7 @@ class Plan:
             "lora_rank": o.lora_rank if o.train == "lora" else None, "batch": o.batch, "seq": o.seq,
             "quantize": o.quantize, "moment_dtype": o.moment_dtype, "optimizer": o.optimizer,
             "loss_chunk": o.loss_chunk, "resident_blocks": len(self.resident), "streamed_blocks": len(self.streamed),
-            "streamed_block_indices": list(self.streamed),
+            "streamed_block_indices": list(self.streamed), "streamed_shared_by": o.streamed_shared_by,
             "activations": {"keep": keep, "page": page, "recompute": recompute},
             "peak_vram_bytes": self.peak_vram_bytes, "cuda_context_bytes": self.estimate.vram["cuda_context"],
             "host_bytes": self.host_bytes, "pinned_bytes": self.estimate.pinned_bytes,
@@ -194,7 +194,7 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                 lora_rank: int = 16, lora_targets: tuple[str, ...] = LORA_TARGETS, adapter_dtype: str = "float32",
                 dtype: str = "bfloat16", quantize="auto", optimizer: str = "auto", moment_dtype: str = "auto",
                 activations="auto", streamed_blocks="auto", loss_chunk: int | None = None,
-                prefer: str = "exact") -> Plan:
+                prefer: str = "exact", streamed_shared_by: int = 1) -> Plan:
     """The plan that fits changing the least, or the closest one with ``fits=False`` and the reason.
 
     Every argument given a value stays as given; each "auto" is chosen. In order of preference: no
@@ -202,12 +202,14 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     block streams), fewest streamed blocks, fewest blocks recomputed or paged (whichever the rates make
     cheaper per block), the optimizer on the GPU, fp32 moments. ``activations``: "auto", "keep",
     "recompute", "page" or (keep, page, recompute). More memory never quantizes, streams or recomputes more.
+    ``streamed_shared_by``: processes of this machine sharing one host copy of the streamed frozen weights.
     """
     if prefer not in ("exact", "speed"):
         raise ValueError(f"prefer={prefer!r} is not valid; use 'exact' or 'speed'")
     layers = shape.num_hidden_layers
     base = Options(batch=batch, seq=seq, train=train, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
-                   adapter_dtype=adapter_dtype, dtype=dtype, loss_chunk=loss_chunk)
+                   adapter_dtype=adapter_dtype, dtype=dtype, loss_chunk=loss_chunk,
+                   streamed_shared_by=streamed_shared_by)
     if quantize == "none":
         quantize = None
     if quantize == "auto":

@@ -25,6 +25,8 @@ class Options:
     (None: the blocks neither paged nor recomputed), ``page`` to host memory, ``recompute`` in backward.
     ``streamed_blocks``: blocks whose weights live in host memory and stream in. ``loss_chunk``: tokens per
     chunk of trainstream's chunked loss (None: the full [tokens, vocab] logits, as Hugging Face computes them).
+    ``streamed_shared_by``: processes of this machine that map one host copy of the streamed frozen
+    weights (data parallel); each counts its share, as each gets its share of the machine's RAM.
     """
 
     batch: int = 1
@@ -43,6 +45,7 @@ class Options:
     recompute: int = 0
     streamed_blocks: int = 0
     loss_chunk: int | None = None
+    streamed_shared_by: int = 1
 
     def __post_init__(self) -> None:
         def count(name, value, low):
@@ -54,6 +57,7 @@ class Options:
         count("page", self.page, 0)
         count("recompute", self.recompute, 0)
         count("streamed_blocks", self.streamed_blocks, 0)
+        count("streamed_shared_by", self.streamed_shared_by, 1)
         if self.keep is not None:
             count("keep", self.keep, 0)
         if self.loss_chunk is not None:
@@ -197,7 +201,7 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
         "backward_working_set": max(0, block_backward_bytes(shape, o.batch, o.seq, o.dtype) - loss),
     }
     if o.train == "lora":  # adapters stay resident even when their block streams
-        streamed_host = o.streamed_blocks * block_frozen_bytes
+        streamed_host = -(-o.streamed_blocks * block_frozen_bytes // o.streamed_shared_by)  # this process's share
     else:  # a streamed full-FT block's bf16 copy is the host optimizer's upload buffer, already counted
         streamed_host = o.streamed_blocks * (block_frozen_bytes + (0 if o.optimizer == "host" else block_trained_bytes))
     pinned = {"optimizer_state": host_state, "streamed_weights": streamed_host, "activation_pages": page * packed}

@@ -225,7 +225,7 @@ class WrapPlan:
 
 
 def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", moment_dtype="auto",
-              activations="auto", streamed_blocks: int = 0) -> WrapPlan:
+              activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1) -> WrapPlan:
     """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits PLAN_SEQ
     tokens (NF4 when none does), so more VRAM never quantizes more; the run is refused (``fits`` False)
     when even one token per step does not fit. Other arguments as ``ts_planner.plan_memory``'s."""
@@ -234,7 +234,7 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
     shape = facts.shape
     args = dict(train=facts.train, lora_rank=facts.lora_rank, lora_targets=facts.lora_targets,
                 adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer="host", moment_dtype=moment_dtype,
-                activations=activations, streamed_blocks=streamed_blocks)
+                activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by)
     if facts.quantized:
         quantize = facts.quantized
     elif quantize == "auto" and facts.train == "full":
