@@ -235,7 +235,7 @@ def test_a_losing_paging_trial_gives_its_page_pool_back(fake_device, monkeypatch
 
 def test_the_watchdog_keeps_fewer_blocks_before_a_longer_batch_runs(fake_device):
     """Settled on 4 x 8 tokens; a 4 x 32 batch would save 4x per block: re-chosen before it runs."""
-    device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=3.0)
+    device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=4.0)
     model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
     policy = model._trainstream_session.activations
     device.policy = policy
@@ -252,4 +252,37 @@ def test_the_watchdog_keeps_fewer_blocks_before_a_longer_batch_runs(fake_device)
     model(torch.randn(4, 8, 32)).backward()  # a shorter batch again: nothing changes back
     opt.step()
     assert len([e for e in trainstream.memory_report(model)["events"] if "watchdog" in e]) == 1
+    trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("static_blocks", [0.0, 3.0])
+def test_a_batch_no_policy_fits_is_refused_before_it_runs_and_training_goes_on(fake_device, static_blocks):
+    """The rest of the step (a block's worth at 32 tokens, as FakeDevice's tail) grows with the tokens,
+    what was allocated before the forward does not: 4x the tokens needs 4 blocks' worth on top of it, over
+    a budget of 4 (+static) blocks even with every block recomputed. Refused with the numbers, before any
+    block runs; a measured-size batch then trains as before."""
+    from trainstream.memory.autotune import BatchRefused
+
+    device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=3.0 + static_blocks)
+    device.allocated = lambda: int(static_blocks * device.block_bytes)
+    device.peak = lambda: int((1 + static_blocks + len(device.policy.tuner.current.kept)) * device.block_bytes)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    _run(model, opt, steps=6)
+    assert policy.tuner.settled
+    before = policy.policy()
+    ran = []
+    handle = policy.blocks[1].register_forward_pre_hook(lambda *_: ran.append(1))
+    with pytest.raises(BatchRefused, match=r"a forward of 128 tokens \(4\.00x the 32 measured\).*nothing ran") as refused:
+        model(torch.randn(4, 32, 32)).backward()
+    assert isinstance(refused.value, MemoryError) and "at most about" in str(refused.value)
+    assert ran == [] and policy.policy() == before
+    handle.remove()
+    model(torch.randn(4, 16, 32)).backward()  # 2x: fits once fewer blocks keep (the watchdog re-chooses)
+    opt.step()
+    opt.zero_grad()
+    model(torch.randn(4, 8, 32)).backward()
+    opt.step()
+    assert policy.tuner.settled
     trainstream.unwrap(model)

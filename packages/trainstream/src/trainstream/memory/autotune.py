@@ -7,9 +7,11 @@ setting, no more synchronizing). The owner, ``ActivationPolicy``, applies each s
 steps; this class only measures and decides.
 
 The watchdog (settled): a batch with more tokens than the measured ones saves proportionally more,
-and so does the rest of the step (the output layer, the loss); before such a forward runs, the
-setting is re-chosen for the scaled sizes, keeping fewer blocks in VRAM (it never keeps more again:
-a shorter batch later fits in what a longer one did).
+and so does the rest of the step (the output layer, the loss; not what was allocated before the
+forward: weights, optimizer state); before such a forward runs, the setting is re-chosen for the
+scaled sizes, keeping fewer blocks in VRAM (it never keeps more again: a shorter batch later fits in
+what a longer one did). When even recomputing every block leaves no room, the forward is refused
+(``BatchRefused``, before any block runs) instead of running out of VRAM partway.
 """
 
 from __future__ import annotations
@@ -18,10 +20,19 @@ import time
 
 import torch
 
-from .plan import GiB, vram_budget
+from .plan import GiB, PlanRefused, vram_budget
 from .tuner import Choice, Measured, choose, trial_candidates
 
-__all__ = ["ActivationTuner", "CudaMeter", "Meter"]
+__all__ = ["ActivationTuner", "BatchRefused", "CudaMeter", "Meter"]
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+class BatchRefused(PlanRefused):
+    """A forward longer than the measured ones cannot fit whatever the activation policy does; raised
+    before its first block runs (a PlanRefused: a MemoryError and a ValueError)."""
 
 # Each measured peak is trusted to this share of the budget.
 PEAK_MARGIN = 0.03
@@ -140,6 +151,8 @@ class ActivationTuner:
         self._marks: dict[int, list] = {}  # block -> [start, end] marks of the current step
         self.tokens: int | None = None  # tokens per forward the sizes in `measured` were taken at
         self.base_bytes = 0  # the last measured peak less the kept blocks' activations
+        self.static_bytes = 0  # of base_bytes, what was allocated before the forward (does not scale)
+        self._static_now = 0
 
     @property
     def settled(self) -> bool:
@@ -155,6 +168,7 @@ class ActivationTuner:
         """The first forward (with gradients) since the last step."""
         if self._forward_start is None:
             self._forward_start = self.meter.now()
+            self._static_now = self.meter.allocated()
 
     def probe_begin(self) -> None:
         """The probed block's forward starts."""
@@ -221,6 +235,7 @@ class ActivationTuner:
         if budget is not None and m.block_bytes > 0:
             kept = len(self.current.kept)
             self.base_bytes = max(0, peak - kept * m.block_bytes)
+            self.static_bytes = min(self._static_now, self.base_bytes)
             room = int(budget * (1 - PEAK_MARGIN)) - self.base_bytes
             m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room)})
         if self.phase == "measuring":
@@ -283,9 +298,18 @@ class ActivationTuner:
             return None
         scale = tokens / self.tokens
         m = self.measured
-        base = int(self.base_bytes * scale)
+        base = self.static_bytes + int((self.base_bytes - self.static_bytes) * scale)
+        limit = int(budget * (1 - PEAK_MARGIN))
+        if base > limit:
+            raise BatchRefused(
+                f"a forward of {tokens} tokens ({scale:.2f}x the {self.tokens} measured) would need about "
+                f"{_size(base)} besides the blocks' saved activations ({_size(self.static_bytes)} allocated "
+                f"before the forward, the rest scaled with the tokens), over the {_size(limit)} budget even "
+                f"with every block recomputed; nothing ran. Use at most "
+                f"about {self._tokens_that_fit(limit)} tokens per forward, or free VRAM (param_offload=, "
+                f"quantize=, a chunked loss)")
         grown = Measured(**{**m.__dict__, "block_bytes": int(m.block_bytes * scale),
-                            "room_bytes": max(0, int(budget * (1 - PEAK_MARGIN)) - base)})
+                            "room_bytes": max(0, limit - base)})
         choice = choose(grown, page=self.page, recompute=self.recompute, paged=len(self.current.paged))
         before = self.current
         self.measured, self.base_bytes, self.tokens = grown, base, tokens
@@ -296,6 +320,13 @@ class ActivationTuner:
                     f"would save {grown.block_bytes / GiB:.3f} GiB per block: {self.describe(choice)} "
                     f"(was: {self.describe(before)})")
         return choice
+
+    def _tokens_that_fit(self, limit: int) -> int:
+        """Tokens per forward whose scaled base fits ``limit`` (the measured count when nothing scales)."""
+        dynamic = self.base_bytes - self.static_bytes
+        if dynamic <= 0:
+            return self.tokens
+        return max(1, int(self.tokens * (limit - self.static_bytes) / dynamic))
 
     def describe(self, choice: Choice) -> str:
         return (f"{len(choice.kept)} blocks keep their activations in VRAM, {len(choice.paged)} page them to "
