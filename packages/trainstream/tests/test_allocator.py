@@ -55,6 +55,16 @@ def test_a_torch_without_the_switch_says_how_to_set_it(calls, monkeypatch):
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in why
 
 
+def test_a_platform_that_refuses_the_setting_keeps_the_default_and_says_why(calls, monkeypatch):
+    def refuse(value):
+        raise RuntimeError("expandable_segments not supported on this platform")
+
+    monkeypatch.setattr(allocator, "_setter", lambda: refuse)
+    why = allocator.use_expandable_segments(CUDA)
+    assert "not available here (expandable_segments not supported on this platform)" in why
+    assert allocator.use_expandable_segments(CUDA) is None  # asked once
+
+
 def test_the_running_torch_has_the_switch():
     assert callable(allocator._setter())
 

@@ -41,7 +41,11 @@ def use_expandable_segments(device: torch.device) -> str | None:
     if setter is None:
         return ("allocator: this torch cannot switch expandable segments at run time; freed VRAM may not serve "
                 "larger requests (fragmentation): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    setter("expandable_segments:True")
+    try:
+        setter("expandable_segments:True")
+    except (RuntimeError, ValueError) as error:  # a platform without them (torch refuses the key)
+        _switched[0] = True  # asked once; the answer will not change
+        return f"allocator: expandable segments not available here ({error}); PyTorch's default segments stay"
     _switched[0] = True
     return ("allocator: expandable segments on (process-wide), so VRAM freed inside a segment serves requests "
             "of any size and the plan's counts hold; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False "
