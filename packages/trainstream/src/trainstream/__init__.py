@@ -3,6 +3,7 @@
 ``model, optimizer = trainstream.wrap(model, optimizer)``
 """
 
+from ts_kvcache import PagedKVCache  # the reference's trainstream.PagedKVCache; ts-kvcache owns it
 from ts_pinned import reserve_pinned
 
 from ._hardware import HardwareProfile, profile_hardware
@@ -20,6 +21,7 @@ __all__ = [
     "ActivationOffloader",
     "HardwareProfile",
     "OffloadAdamW",
+    "PagedKVCache",
     "PlanRefused",
     "TrainStreamSession",
     "causal_lm_loss",
