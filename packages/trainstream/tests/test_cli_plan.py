@@ -114,6 +114,23 @@ def test_default_budget_is_this_machine_split_between_local_processes(capsys, mo
     assert two["budget"]["host_bytes"] == pytest.approx(one["budget"]["host_bytes"] / 2, rel=0.05)
 
 
+def test_local_ranks_split_the_ram_and_share_the_streamed_copy(capsys, monkeypatch):
+    """--local-ranks N: one of N data-parallel processes: 1/N of the RAM, and 1/N of the streamed frozen
+    weights' one copy per machine (what each rank maps of /dev/shm)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    common = ["--size", "14b", "--lora", "16", "--vram-gb", "24", "--quantize", "none", "--streamed-blocks", "40",
+              "--json"]
+    one = json.loads(_run([*common, "--host-gb", "200"], capsys)[1])
+    four = json.loads(_run([*common, "--host-gb", "200", "--local-ranks", "4"], capsys)[1])
+    assert four["streamed_shared_by"] == 4 and one["streamed_shared_by"] == 1
+    whole = one["host"]["streamed_weights"]
+    assert whole > 20e9 and four["host"]["streamed_weights"] == -(-whole // 4)
+    assert four["host_bytes"] < one["host_bytes"]
+    default = json.loads(_run(common, capsys)[1])
+    split = json.loads(_run([*common, "--local-ranks", "2"], capsys)[1])
+    assert split["budget"]["host_bytes"] == pytest.approx(default["budget"]["host_bytes"] / 2, rel=0.05)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     ([], "name one model"),
     (["--size", "7b", "--config", "x.json"], "not allowed with argument"),

@@ -343,6 +343,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_positive_float, default=None,
                         help="host RAM to plan for, GB (default: this machine's available RAM, cgroup-bounded, "
                              "split between LOCAL_WORLD_SIZE processes)")
+    parser.add_argument("--local-ranks", type=_positive_int, default=None, metavar="N",
+                        help="plan one of N data-parallel processes on this machine: each gets 1/N of its RAM "
+                             "(unless --host-gb) and 1/N of the streamed frozen weights' one shared copy "
+                             "(default: LOCAL_WORLD_SIZE, else 1)")
     parser.add_argument("--measure", action="store_true",
                         help="price the plan with this machine's measured rates (trainstream.profile_hardware, "
                              "cached) instead of the defaults")
@@ -390,10 +394,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         import trainstream
 
         profile = trainstream.profile_hardware()
+    ranks = args.local_ranks or ts_planner.local_process_count()
     try:
         budget = ts_planner.machine_budget(
             vram_bytes=None if args.vram_gb is None else int(args.vram_gb * 1e9),
-            host_bytes=None if args.host_gb is None else int(args.host_gb * 1e9), profile=profile)
+            host_bytes=None if args.host_gb is None else int(args.host_gb * 1e9), processes=ranks, profile=profile)
     except RuntimeError as error:  # no GPU here and no --vram-gb
         parser.error(f"{error}; pass --vram-gb")
     lora = args.lora_rank is not None
@@ -402,7 +407,8 @@ def plan_main(argv: list[str] | None = None) -> int:
             shape, budget, batch=args.batch, seq=args.seq, train="lora" if lora else "full",
             lora_rank=args.lora_rank or 16, quantize=args.quantize,
             optimizer=args.optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
-            streamed_blocks="auto" if args.streamed_blocks is None else args.streamed_blocks, prefer=args.prefer)
+            streamed_blocks="auto" if args.streamed_blocks is None else args.streamed_blocks, prefer=args.prefer,
+            streamed_shared_by=ranks)
     except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
         parser.error(str(error))
     rates = "measured rates" if profile is not None else "default rates (--measure for this machine's)"
