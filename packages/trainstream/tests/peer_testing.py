@@ -21,30 +21,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(peer_option):
-    model, opt = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True, peer=peer_option, threads=1)
+def train(peer_option, device="cpu"):
+    model, opt = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True, peer=peer_option, threads=1,
+                                  device=device)
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(STEPS):
-        x = torch.randn(4, 32, generator=g)
+        x = torch.randn(4, 32, generator=g).to(device)
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     report = trainstream.memory_report(model)
-    result = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+    result = {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()],
               "streaming": report["params"]["streaming"], "peer_bytes": report["params"]["peer_bytes"],
               "events": [e for e in report["events"] if "peer" in e]}
     trainstream.unwrap(model)  # collective while a pool is in use
     return result
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
+    """``device`` "cuda": every rank on GPU 0 (two processes sharing one GPU, where CUDA IPC works)."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        torch.save({"host": train(False), "peer": train("auto")}, f"{out}/rank{rank}.pt")
+        torch.save({"host": train(False, device), "peer": train("auto", device)}, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()

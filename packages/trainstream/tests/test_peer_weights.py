@@ -12,9 +12,12 @@ from test_weights import _frozen_stack
 from trainstream.memory import peer
 
 
-def test_peer_pools_serve_streamed_blocks_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_peer_pools_serve_streamed_blocks_bit_for_bit(tmp_path, monkeypatch, device):
+    """On the CPU ts-peer's host backend; on CUDA two processes share GPU 0 and the pools are device
+    memory the other rank reads through CUDA IPC."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path), device), nprocs=2, join=True)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         host, pooled = r["host"], r["peer"]
