@@ -26,13 +26,13 @@ __all__ = ["BACKENDS", "Measurement", "candidates", "default_timer", "measure", 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 _NAMES = {backend: name for name, backend in BACKENDS.items()}
-# Relative error (max |x - ref| / max |ref|, output and gradients) a backend may show against the
-# math backend in float32 before it is refused; or 4x what the math backend itself shows in the dtype.
 # Backends within this fraction of the fastest count as tied, and a tie goes to PyTorch's earlier one.
 # Timing noise on a warm GPU is a few percent: on the H200 cudnn and efficient swapped places between
 # two measurements of one shape (0.417 / 0.409 ms, then 0.425 / 0.496 ms), and a choice that flips
 # between runs changes a run's numerics (docs/results/gpu-tests-h200-2026-12-01-g.log).
 NEAR_TIE = 0.05
+# Relative error (max |x - ref| / max |ref|, output and gradients) a backend may show against the
+# math backend in float32 before it is refused; or 4x what the math backend itself shows in the dtype.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 _HEADERS = {SDPBackend.FLASH_ATTENTION: "Flash attention kernel not used because",
             SDPBackend.EFFICIENT_ATTENTION: "Memory efficient kernel not used because",
