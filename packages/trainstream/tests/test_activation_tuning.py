@@ -286,3 +286,26 @@ def test_a_batch_no_policy_fits_is_refused_before_it_runs_and_training_goes_on(f
     opt.step()
     assert policy.tuner.settled
     trainstream.unwrap(model)
+
+
+def test_state_moved_to_vram_after_settling_counts_in_the_watchdog(fake_device):
+    """offload='auto' moves the optimizer state to VRAM after the policy settled: the watchdog's base
+    grows by it, so a longer forward that fitted before the move is refused after it."""
+    from trainstream.memory.autotune import BatchRefused
+
+    device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=4.0)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    _run(model, opt, steps=6)
+    tuner = policy.tuner
+    assert tuner.settled
+    room, base = tuner.measured.room_bytes, tuner.base_bytes
+    tuner.static_grew(2 * device.block_bytes)
+    assert tuner.base_bytes == base + 2 * device.block_bytes and tuner.static_bytes >= 2 * device.block_bytes
+    assert tuner.measured.room_bytes == max(0, room - 2 * device.block_bytes)
+    # 3x the tokens: 3 blocks' worth of tail on 2 of state, over the 4.85 the budget allows (without the
+    # moved state, 3 blocks' worth would fit)
+    with pytest.raises(BatchRefused):
+        tuner.forward_tokens(3 * tuner.tokens)
+    trainstream.unwrap(model)

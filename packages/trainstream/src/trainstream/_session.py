@@ -246,6 +246,7 @@ class TrainStreamSession:
             return
         if self.config.offload == "auto" and need <= room:
             self.engine.place(movable, "device")
+            self._state_moved_to_vram(need)
             self.events.add("switch", f"offload='auto': the optimizer state ({need / GiB:.2f} GiB) fits beside the "
                                       f"measured peak ({peak / GiB:.2f} GiB of a {budget / GiB:.2f} GiB budget): "
                                       f"AdamW now runs on the GPU with fp32 master weights, as stock fused AdamW would")
@@ -259,6 +260,7 @@ class TrainStreamSession:
                 used += cost
             if chosen:
                 self.engine.place(chosen, "device")
+                self._state_moved_to_vram(used)
             share = sum(s.numel for s in chosen) / max(1, sum(s.numel for s in self.engine.active))
             self.events.add("switch", f"optimizer_mode='auto': {len(chosen)} of {len(movable)} parameters "
                                       f"({share:.0%} of the values, {used / GiB:.2f} GiB) moved their state to VRAM "
@@ -269,6 +271,11 @@ class TrainStreamSession:
                                     f"after the measured peak ({max(room, 0) / GiB:.2f} GiB): it stays in host memory")
             self._start_mapped_trial(room)
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _state_moved_to_vram(self, nbytes: int) -> None:
+        tuner = self.activations.tuner if self.activations is not None else None
+        if tuner is not None:
+            tuner.static_grew(nbytes)  # the watchdog's numbers were measured without it
 
     def _start_mapped_trial(self, room: int) -> None:
         """offload='auto', state in host memory: measure mapped CUDA AdamW against host AdamW when the

@@ -321,6 +321,17 @@ class ActivationTuner:
                     f"(was: {self.describe(before)})")
         return choice
 
+    def static_grew(self, nbytes: int) -> None:
+        """``nbytes`` more now live in VRAM across steps (the optimizer state moved there): the
+        watchdog's base and the room for kept activations account for them from now on."""
+        if nbytes <= 0:
+            return
+        self.base_bytes += nbytes
+        self.static_bytes += nbytes
+        if self.measured is not None:
+            self.measured = Measured(**{**self.measured.__dict__,
+                                        "room_bytes": max(0, self.measured.room_bytes - nbytes)})
+
     def _tokens_that_fit(self, limit: int) -> int:
         """Tokens per forward whose scaled base fits ``limit`` (the measured count when nothing scales)."""
         dynamic = self.base_bytes - self.static_bytes
