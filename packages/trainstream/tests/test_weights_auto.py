@@ -56,11 +56,33 @@ def test_less_vram_never_streams_fewer_blocks_and_enough_streams_none(lora_7b_on
 
 
 def test_auto_leaves_the_weights_to_quantize_when_it_is_on(lora_7b_on_meta, monkeypatch):
+    """prefer='speed': quantizing is the faster way to fit, so nothing streams while a format fits."""
     _with_vram(monkeypatch, 12)  # NF4 codes of the 7B base fit with every block resident
     for quantize, why_part in (("auto", "quantize='auto' fits the weights"), ("nf4", "none stream")):
-        chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"),
-                                                         parse_options({"param_offload": "auto", "quantize": quantize}))
+        chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), parse_options(
+            {"param_offload": "auto", "quantize": quantize, "prefer": "speed"}))
         assert chosen is False and implied is None and why_part in why
+
+
+def test_prefer_exact_streams_exact_weights_before_quantizing(lora_7b_on_meta, monkeypatch):
+    """prefer='exact' (the default): quantize='auto' quantizes only when even streaming every block the
+    exact weights do not fit; a fitting stream of exact weights wins over resident codes."""
+    opts = parse_options({"param_offload": "auto", "quantize": "auto"})
+    assert opts.prefer == "exact"
+    _with_vram(monkeypatch, 12)
+    chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+    exact, _, _ = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"),
+                                           parse_options({"param_offload": "auto", "quantize": None}))
+    assert implied is None and chosen == exact and 0 < len(chosen) < 28
+    assert "as stored" in why and "prefer='exact'" in why
+    _with_vram(monkeypatch, 8)  # no exact stream fits: the NF4 codes stream, and the event says why
+    chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+    assert implied == "nf4" and chosen and "even with every block streamed the exact weights do not fit" in why
+    _with_vram(monkeypatch, 40)  # everything fits as it is: nothing streams, nothing to quantize
+    chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+    assert chosen is False and implied is None
+    with pytest.raises(ValueError, match="prefer"):
+        parse_options({"prefer": "fast"})
 
 
 def test_when_no_quantization_fits_resident_the_codes_stream(lora_7b_on_meta, monkeypatch):
@@ -70,8 +92,8 @@ def test_when_no_quantization_fits_resident_the_codes_stream(lora_7b_on_meta, mo
     for vram in (10, 9, 8):  # 12 GiB holds the NF4 base resident (the test above)
         _with_vram(monkeypatch, vram)
         for quantize in ("nf4", "auto"):
-            chosen, why, implied = _wrap._auto_param_offload(
-                lora_7b_on_meta, torch.device("cpu"), parse_options({"param_offload": "auto", "quantize": quantize}))
+            chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), parse_options(
+                {"param_offload": "auto", "quantize": quantize, "prefer": "speed"}))
             assert implied == (None if quantize == "nf4" else "nf4")
             assert chosen and "as nf4 codes" in why, why
             counts.setdefault(quantize, []).append(len(chosen))

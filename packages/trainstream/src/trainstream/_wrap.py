@@ -158,37 +158,52 @@ def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts,
                         inputs=None) -> tuple[list[int] | bool, str, str | None]:
     """param_offload='auto': (the blocks to stream, why, the quantization it implies or None): the
     fewest blocks with which the plan fits (spread through the stack, as ts-planner spreads them), with
-    the weights as ``quantize`` stores them. quantize='auto' streams nothing while some quantization
-    fits (quantizing is the faster way to fit); when none does, NF4 codes stream."""
+    the weights as ``quantize`` stores them. With quantize='auto': ``prefer="exact"`` streams the exact
+    weights when that fits and quantizes nothing; ``prefer="speed"`` (or exact weights that do not fit
+    even streamed) streams nothing while some quantization fits resident (the faster way to fit), else
+    NF4 codes stream."""
     blocks, facts, budget = inputs or _plan_inputs(model, device, opts)
     if facts.shape is None or not blocks:
         return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
     activations = _activations(opts, len(blocks))
-    fmt, implied = opts.quantize, None
-    if fmt == "auto":
-        plan = plan_wrap(facts, budget, quantize="auto", moment_dtype=opts.moment_dtype, activations=activations,
-                         streamed_blocks=0)
-        if plan.plan is not None and plan.plan.fits:
-            return False, ("param_offload='auto': none stream, quantize='auto' fits the weights "
-                           "(pass quantize=None to stream exact weights instead)"), None
-        fmt = implied = "nf4"  # nothing fits resident: the smallest codes stream
     frozen = sum(t.numel() * t.element_size() for b in blocks for _m, _n, t in frozen_params_of(b))
     shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
-    for count in range(len(blocks) + 1):  # the fewest streamed blocks with which the plan's tokens fit
-        plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
-                         streamed_blocks=count, streamed_shared_by=shared_by)
-        if plan.plan is not None and plan.plan.fits:
-            break
+
+    def fewest(fmt):  # the plan with the fewest streamed blocks that fits (all of them when none does)
+        for count in range(len(blocks) + 1):
+            plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
+                             streamed_blocks=count, streamed_shared_by=shared_by)
+            if plan.plan is not None and plan.plan.fits:
+                break
+        return plan
+
+    fmt, implied, note, plan = opts.quantize, None, "", None
+    if fmt == "auto" and opts.prefer == "exact":
+        exact = fewest(None)
+        if exact.plan is not None and exact.plan.fits:
+            fmt, plan = None, exact
+            note = " (prefer='exact': the exact weights stream rather than quantized ones; prefer='speed' quantizes first)"
+        else:
+            note = " (prefer='exact': even with every block streamed the exact weights do not fit, so they are quantized)"
+    if fmt == "auto":
+        resident = plan_wrap(facts, budget, quantize="auto", moment_dtype=opts.moment_dtype, activations=activations,
+                             streamed_blocks=0)
+        if resident.plan is not None and resident.plan.fits:
+            return False, ("param_offload='auto': none stream, quantize='auto' fits the weights"
+                           + (note or " (prefer='speed'; pass quantize=None to stream exact weights instead)")), None
+        fmt = implied = "nf4"  # nothing fits resident: the smallest codes stream
+    if plan is None:
+        plan = fewest(fmt)
     chosen = list(plan.plan.streamed) if plan.plan is not None else []
     stored = "as stored" if fmt is None else f"as {fmt} codes"
     if not chosen:
         return False, f"param_offload='auto': none stream ({plan.message})", None
     if not plan.plan.fits:
         return chosen, (f"param_offload='auto': all {len(blocks)} blocks stream {stored} and the plan's tokens still "
-                        f"do not fit: the activation policy finds what does ({plan.message})"), implied
+                        f"do not fit: the activation policy finds what does{note} ({plan.message})"), implied
     return chosen, (f"param_offload='auto': {len(chosen)} of {len(blocks)} blocks stream {stored}, the fewest with "
                     f"which the plan fits" + (" (quantize='auto': no quantization fits with every block resident)"
-                                              if implied else "") + f" ({plan.message})"), implied
+                                              if implied else "") + f"{note} ({plan.message})"), implied
 
 
 def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -> None:
