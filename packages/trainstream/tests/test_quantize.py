@@ -173,3 +173,15 @@ def test_quantize_choices_are_checked():
         trainstream.quantize_model(_frozen_base(), None)
     with pytest.raises(ValueError, match="no repeated blocks"):
         trainstream.quantize_model(torch.nn.Linear(4, 4).requires_grad_(False), "int8")
+
+
+def test_memory_report_names_the_quantized_blocks_and_outliers():
+    """params: quantized_blocks (the blocks with a quantized layer), outliers (0: none kept exact)."""
+    model, _ = trainstream.wrap(_frozen_base(layers=3), lr=1e-3, quantize="int8")
+    params = trainstream.memory_report(model)["params"]
+    assert params["quantize"] == "int8" and params["quantized_blocks"] == [0, 1, 2] and params["outliers"] == 0.0
+    assert "blocks" not in params
+    trainstream.unwrap(model)
+    plain, _ = trainstream.wrap(tiny_llama(), lr=1e-3)
+    assert trainstream.memory_report(plain)["params"] == {"quantize": None, "quantized_blocks": [], "outliers": 0.0}
+    trainstream.unwrap(plain)

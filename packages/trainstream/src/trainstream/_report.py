@@ -62,7 +62,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             "last_grad_norm": session.engine.last_grad_norm,
         },
         "resident": all(s.placement == "device" for s in slots),
-        "params": {"quantize": None} if session.quantized is None else dict(session.quantized),
+        "params": _quantized(session),
         "activations": session.activations.report(),
     })
     if session.weights is not None:
@@ -71,6 +71,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         report["params"].update({"paged_blocks": stats["streamed_blocks"], "host_bytes": stats["host_bytes"],
                                  "load_bytes": stats["h2d_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
                                  "peer_bytes": stats.get("peer_bytes", 0),
+                                 "peer_blocks": stats.get("peer_blocks", 0),
+                                 "peer_owned_bytes": stats.get("peer_owned_bytes", 0),
                                  "shared_host_bytes": stats.get("shared_host_bytes", 0),
                                  "host_owner": stats.get("host_owner"), "streaming": stats})
     if session.attention is not None:
@@ -86,3 +88,17 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     clock = getattr(session, "stalls", None)
     report["stalls"] = clock.recent() if clock is not None else []
     return report
+
+
+def _quantized(session) -> dict:
+    """The params entry's quantization part: the format, what quantize_model did, the quantized blocks
+    (``quantized_blocks``) and the largest outlier fraction their layers keep exact (``outliers``)."""
+    if session.quantized is None:
+        return {"quantize": None, "quantized_blocks": [], "outliers": 0.0}
+    info = dict(session.quantized)
+    blocks = info.pop("blocks", [])
+    from ts_quant import QuantLinear
+
+    fractions = [float(getattr(m, "outliers", 0.0) or 0.0) for m in session.model.modules()
+                 if isinstance(m, QuantLinear)]
+    return {**info, "quantized_blocks": list(blocks), "outliers": max(fractions, default=0.0)}

@@ -79,8 +79,8 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
     ``pin_budget``: bytes of quantized weights held on the CPU to place in page-locked memory (the
     ts-pinned arena, tag ``"weights"``), the earliest blocks first, so they upload asynchronously;
     None (default) pins nothing.
-    Returns ``{"tensors", "bytes_before", "bytes_after"}``, plus ``"pinned_bytes"`` when ``pin_budget``
-    is given. Freeze the base (or add adapters) first.
+    Returns ``{"tensors", "bytes_before", "bytes_after", "blocks"}`` (``blocks``: the indices of the blocks
+    with a quantized layer), plus ``"pinned_bytes"`` when ``pin_budget`` is given. Freeze the base (or add adapters) first.
     All or nothing: if one layer fails, the layers already replaced are put back.
     (``_replaced``, internal: receives each ``(parent, name, original)`` swapped, for wrap()'s undo.)
     """
@@ -93,6 +93,7 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
     if not blocks:
         raise ValueError("quantize_model found no repeated blocks in this model; pass blocks=[...]")
     targets = list(block_linears(blocks))
+    hit = [i for i, b in enumerate(blocks) if next(block_linears([b]), None) is not None]
     if not targets and any(p.requires_grad for b in blocks for p in b.parameters()):
         raise ValueError("the blocks' linear weights are all trainable: freeze the base (or add adapters) first")
     before = after = pinned = 0
@@ -115,7 +116,7 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
         raise
     if _replaced is not None:
         _replaced.extend(replaced)
-    result = {"tensors": len(targets), "bytes_before": before, "bytes_after": after}
+    result = {"tensors": len(targets), "bytes_before": before, "bytes_after": after, "blocks": hit}
     if pin_budget is not None:
         result["pinned_bytes"] = pinned
     return result
