@@ -102,6 +102,7 @@ def test_single_process_host_pool_round_trip_and_counters():
     s = pool.stats()
     assert (s["copies"], s["peer_bytes"], s["local_bytes"], s["remote_bytes"]) == (3, 1034, 1034, 0)
     assert pool.peer_bytes == 1034 and s["owned"] == s["blocks"] == 3
+    assert pool.pooled_blocks == pool.block_ids and pool.bytes_owned == pool.pool_bytes == 1536  # reference names
     pool.close()
     pool.close()  # idempotent
     assert pool.pool_bytes == 0

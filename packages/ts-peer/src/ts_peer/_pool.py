@@ -214,6 +214,16 @@ class PeerPool:
         """Device (or shared host) bytes this rank's pool holds."""
         return 0 if self._buffer is None else self._buffer.nbytes
 
+    @property
+    def pooled_blocks(self) -> list:
+        """The block ids held in some rank's pool (the reference library's name for ``block_ids``)."""
+        return self.block_ids
+
+    @property
+    def bytes_owned(self) -> int:
+        """The reference library's name for ``pool_bytes``: what this rank's pool holds."""
+        return self.pool_bytes
+
     def stats(self) -> dict:
         """Counters (copies, peer_bytes, remote_bytes from other ranks, local_bytes from this
         rank's own pool), pool_bytes, blocks (all ranks) and owned (this rank's)."""
