@@ -26,6 +26,15 @@ def test_default_run_trains_and_reports(tmp_path, capsys):
     assert result["report"]["optimizer"]["steps"] == 12
 
 
+def test_attention_flag_reaches_wrap(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert cli.main(["--steps", "2", "--attention", "math", "--json", str(out)]) == 0
+    attention = json.loads(out.read_text())["report"]["attention"]
+    assert attention["mode"] == "math"
+    assert cli.main(["--steps", "2", "--json", str(out)]) == 0  # not given: wrap()'s default ("default" on the CPU)
+    assert json.loads(out.read_text())["report"]["attention"]["mode"] == "default"
+
+
 def test_byte_batches_are_reproducible_and_in_range():
     a = list(byte_batches(3, 40, 4, seed=5))
     b = list(byte_batches(3, 40, 4, seed=5))

@@ -126,6 +126,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=_positive_float, default=None,
                         help="clip the gradient norm to this (> 0; default: no clipping)")
     parser.add_argument("--seed", type=_seed, default=0, help="integer in [0, 2**32) (default 0)")
+    parser.add_argument("--attention", choices=["auto", "default", "cudnn", "efficient", "flash", "math"], default=None,
+                        help="wrap()'s attention= (default: wrap()'s, 'auto' on one GPU)")
     parser.add_argument("--json", type=_json_path, default=None,
                         help="write the step times, losses and report here (checked before training)")
     args = parser.parse_args(argv)
@@ -261,7 +263,7 @@ def _pretrained_main(args, device: torch.device) -> int:
     model, optimizer = trainstream.wrap(model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
                                         offload="auto" if args.offload == "auto" else True,
                                         moment_dtype=args.moment_dtype, max_grad_norm=args.max_grad_norm,
-                                        seed=args.seed, verbose=True)
+                                        seed=args.seed, verbose=True, **_attention(args))
     losses, times = [], []
     for step, ids in enumerate(_windows(train_ids, args.batch, args.seq, args.steps, args.seed), start=1):
         started = time.perf_counter()
@@ -421,6 +423,11 @@ def plan_main(argv: list[str] | None = None) -> int:
     return 0 if plan.fits else PLAN_EXIT_REFUSED
 
 
+def _attention(args) -> dict:
+    """wrap()'s attention= when --attention was given (else wrap()'s own default)."""
+    return {} if args.attention is None else {"attention": args.attention}
+
+
 def _progress(step: int, total: int, loss: float, seconds: float) -> None:
     width = 28
     done = int(width * step / total)
@@ -456,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = trainstream.wrap(
         model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
         offload="auto" if args.offload == "auto" else True, moment_dtype=args.moment_dtype,
-        max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True)
+        max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True, **_attention(args))
     session = model._trainstream_session
     seen = len(session.events)
     losses, times = [], []
