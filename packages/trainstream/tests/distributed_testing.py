@@ -293,6 +293,30 @@ def _rank_dies(rank, world, out):
     return {"error": None}
 
 
+ATTENTION_TABLES = ({"flash": 1.0, "math": 2.0}, {"flash": 3.0, "math": 1.0})  # alone: rank 0 flash, rank 1 math
+
+
+def _attention_agree(rank, world, out):
+    """attention='auto' under data parallel, each rank timing the kernels differently (fake timers)."""
+    import trainstream
+    from test_attention import Attention, fake_timer
+
+    model = Attention().to(_DEVICE)
+    model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), threads=1,
+                                        attention="auto")
+    model._trainstream_session.attention.timer = fake_timer(ATTENTION_TABLES[rank % 2])
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        model(torch.randn(2, 8, 32, generator=g).to(_DEVICE)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = trainstream.memory_report(model)
+    result = {"attention": report["attention"], "last": model.last,
+              "events": [e for e in report["events"] if "under data parallel" in e]}
+    trainstream.unwrap(model)
+    return result
+
+
 SCENARIOS = {
     "plain": lambda r, w, o: _train(r, w, o, save=w == 2),
     "clip": lambda r, w, o: _train(r, w, o, clip=0.05),
@@ -306,6 +330,7 @@ SCENARIOS = {
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
     "rewrap": _rewrap,
+    "attention_agree": _attention_agree,
     "unfreeze": _unfreeze,
     "forced_off": _forced_off,
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),

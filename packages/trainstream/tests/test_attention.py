@@ -609,3 +609,25 @@ def test_attention_bench_smoke(tmp_path):
     auto = [r["attention"] for r in results if r["mode"] == "auto"]
     assert all(a["backend"] in ("flash", "math") and a["timings_ms"] for a in auto)
     assert "| full | 1x32 |" in done.stdout and "default / auto" in done.stdout
+
+
+def test_ranks_adopting_each_others_timings_pin_the_same_kernel():
+    """Data parallel: rank 0 measures flash faster, rank 1 math; after adopt() with both ranks' timings
+    (their mean: flash 2.0, math 1.5 ms) both pin math, and a forward runs it on both."""
+    choosers, models = [], []
+    for table in ({"flash": 1.0, "math": 2.0}, {"flash": 3.0, "math": 1.0}):
+        chooser = AttentionChooser("auto", timer=fake_timer(table))
+        model = Attention()
+        chooser.install(model)
+        _grads(model, torch.randn(1, 8, 32))
+        choosers.append(chooser)
+        models.append(model)
+    assert [c.report()["backend"] for c in choosers] == ["flash", "math"]  # each alone
+    everyone = [c.timings_to_share() for c in choosers]
+    assert [c.adopt(everyone) for c in choosers] == [1, 0]
+    for chooser, model in zip(choosers, models):
+        (label,) = chooser.report()["timings_ms"]
+        assert chooser.report()["timings_ms"][label] == {"flash": 2.0, "math": 1.5}
+        _grads(model, torch.randn(1, 8, 32))  # the same signature: the adopted pin runs
+        assert chooser.report()["chosen"][label] == chooser.report()["backend"] == "math"
+    assert AttentionChooser("default").adopt(everyone) == 0

@@ -42,7 +42,7 @@ def out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(out):
     return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "discard", "rewrap", "unfreeze", "forced_off", "mismatch_shape",
-                         "mismatch_settings"], out)
+                         "mismatch_settings", "attention_agree"], out)
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +283,16 @@ def test_zero_grad_before_the_window_completes_starts_its_count_again(two):
         # Step 2 had a dropped backward before its 2: the reductions started at the window's real end.
         assert [s["overlapped"] for s in result["per_step"]] == [False, True, True, True, True], result["per_step"]
         assert result["per_step"][2]["buckets_at_step"] == 0
+
+
+def test_attention_auto_pins_one_kernel_on_every_rank(two):
+    """Rank 0 alone would pin flash, rank 1 math (their fake timers); after step 1 both take the mean
+    of both ranks' timings (flash 2.0, math 1.5 ms) and pin math, with the event saying so."""
+    results = [r["attention_agree"] for r in two]
+    for r in results:
+        assert "failed" not in r, r.get("failed")
+        (label,) = r["attention"]["timings_ms"]
+        assert r["attention"]["timings_ms"][label] == {"flash": 2.0, "math": 1.5}
+        assert r["attention"]["chosen"][label] == r["attention"]["backend"] == "math"
+        assert r["events"] and "mean over the 2 ranks" in r["events"][0]
+    assert results[0]["last"] == results[1]["last"]  # the same kernel ran the last forward on both

@@ -220,6 +220,23 @@ class TrainStreamSession:
             self._adapt()
         elif self.trial is not None and period is not None:
             self._advance_trial(period)
+        if self.world > 1 and self.steps <= ATTENTION_AGREE_STEPS:
+            self._agree_on_attention()
+
+    def _agree_on_attention(self) -> None:
+        """attention='auto' under data parallel: after each of the first steps every rank takes the mean
+        of all ranks' timings, so all pin the same kernels (collective: every rank, same steps)."""
+        chooser = self.attention
+        if chooser is None or chooser.mode != "auto":
+            return
+        everyone = [None] * self.world
+        torch.distributed.all_gather_object(everyone, chooser.timings_to_share())
+        changed = chooser.adopt(everyone)
+        if self.steps == 1 or changed:
+            self.events.add("attention", f"auto under data parallel, step {self.steps}: each shape's timings are the "
+                                         f"mean over the {self.world} ranks, so every rank pins the same kernels "
+                                         f"({changed} choices changed); shapes first seen after step "
+                                         f"{ATTENTION_AGREE_STEPS} are measured by each rank alone")
 
     def synchronize(self) -> None:
         """Waits until every update is applied and every weight written back."""
@@ -344,6 +361,9 @@ class TrainStreamSession:
             if self._interrupts:
                 interrupts.uninstall()
                 self._interrupts = False
+
+
+ATTENTION_AGREE_STEPS = 3  # attention='auto' under data parallel: the steps after which ranks agree
 
 
 def _host_shares(trained: list[ParamSlot], world: int) -> tuple[list[ParamSlot], list[ParamSlot]]:

@@ -70,8 +70,9 @@ def resolve_wrap_default(mode: str, device: torch.device, world: int, events) ->
     if device.type != "cuda":
         why = "the model is not on a GPU"
     elif world > 1:
-        why = (f"data parallel over {world} ranks: each would measure alone and might pin another kernel; "
-               f"name one (attention='cudnn', 'flash', ...) to pin it on every rank")
+        why = (f"data parallel over {world} ranks: a shape first seen after the ranks' agreement (the first "
+               f"steps) would be measured by each rank alone; attention='auto' opts in, a named backend "
+               f"(attention='cudnn', 'flash', ...) pins one on every rank")
     else:
         return "auto"
     events.add("attention", f"attention not given: 'default' (PyTorch's choice), since {why}")
@@ -495,6 +496,36 @@ class AttentionChooser:
             # chosen backend, with math behind it as the fallback.
             return ranked[:1] + ([SDPBackend.MATH] if SDPBackend.MATH in ranked[1:] else [])
         return ranked
+
+    # ---- data parallel ------------------------------------------------------------------------
+
+    def timings_to_share(self) -> dict[str, dict[str, float]]:
+        """{shape label: {backend: ms}} of every shape measured here: what ``adopt`` takes from each rank."""
+        return {label: dict(m.timings_ms) for label, m in self._labels.items() if m.failed is None and m.timings_ms}
+
+    def adopt(self, everyone: list[dict[str, dict[str, float]]]) -> int:
+        """Data parallel: ``everyone`` is each rank's ``timings_to_share()`` (the same list on every
+        rank). A shape every rank measured takes the mean of the ranks' timings over the backends
+        valid on all of them, so every rank ranks it alike and pins the same backends (one numerics
+        for the whole run). Returns how many shapes changed their choice."""
+        if self.mode != "auto" or not everyone:
+            return 0
+        changed = 0
+        for label in set.intersection(*(set(t) for t in everyone)):
+            m = self._labels.get(label)
+            if m is None or m.failed is not None:
+                continue
+            names = [n for n in m.timings_ms if all(n in t[label] for t in everyone)]
+            if not names:
+                continue
+            before = m.chosen
+            m.timings_ms = {n: sum(t[label][n] for t in everyone) / len(everyone) for n in names}
+            m.chosen = m.pick()
+            changed += m.chosen != before
+        for entry in self._entries.values():
+            if entry.keys:
+                entry.pin = self._pin(entry)
+        return changed
 
     # ---- report ----------------------------------------------------------------------------
 
