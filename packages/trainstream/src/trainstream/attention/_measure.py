@@ -203,10 +203,6 @@ class Measurement:
     chosen: str | None = None
     failed: str | None = None  # the measurement itself failed: this shape is left to PyTorch
 
-    def ranked(self) -> list[str]:
-        """Valid backends, fastest first (stable: ties keep the measuring order)."""
-        return sorted(self.timings_ms, key=self.timings_ms.__getitem__)
-
     def pick(self) -> str | None:
         """The backend to pin for this shape alone (tie_ranked's first); None when none is valid."""
         ranked = tie_ranked(self.timings_ms, list(self.timings_ms))
