@@ -9,7 +9,9 @@ forward is where "auto" measures, and the activation policy tunes itself in the 
 Scenarios (random init, Qwen2.5-1.5B shape, bf16 weights):
   full   full fine-tune: the trainstream-auto engine (optimizer_mode="auto", offload="auto")
   lora   LoRA r=16 on q,k,v,o,gate,up,down of every block, bf16 base (the trainstream-lora-bf16 engine)
-Shapes: 1x2048 and 4x2048 (batch x sequence). Modes: default auto cudnn efficient flash math.
+  lora14b  the same on the Qwen2.5-14B shape with an NF4 base (the trainstream-lora engine; compare.py's
+           lora14b at 1x512, lora14b_2k at 1x2048)
+Shapes: 1x512, 4x512 (compare.py's full1.5b), 1x2048 and 4x2048 (batch x sequence); default 1x2048 4x2048. Modes: default auto cudnn efficient flash math.
 
     python tools/bench/attention_choice.py --json $OUT/attention.json          # everything (long)
     python tools/bench/attention_choice.py --scenarios full --shapes 1x2048    # one call's worth
@@ -38,9 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _compare_engines as engines
 
 SCENARIOS = {"full": dict(engine="trainstream-auto", size="1.5b", lora=False),
-             "lora": dict(engine="trainstream-lora-bf16", size="1.5b", lora=True)}
-SMOKE_SIZES = {"full": "tiny", "lora": "lora-tiny"}
-SHAPES = {"1x2048": (1, 2048), "4x2048": (4, 2048)}
+             "lora": dict(engine="trainstream-lora-bf16", size="1.5b", lora=True),
+             "lora14b": dict(engine="trainstream-lora", size="14b", lora=True)}
+SMOKE_SIZES = {"full": "tiny", "lora": "lora-tiny", "lora14b": "lora-tiny"}
+SHAPES = {"1x512": (1, 512), "4x512": (4, 512), "1x2048": (1, 2048), "4x2048": (4, 2048)}
 SMOKE_SHAPES = {"1x32": (1, 32), "2x32": (2, 32)}
 MODES = ["default", "auto", "cudnn", "efficient", "flash", "math"]
 
@@ -171,7 +174,8 @@ def kernel_table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=["full", "lora"],
+                        help="default: full lora (lora14b builds a 14B model: minutes per run)")
     parser.add_argument("--shapes", nargs="+", default=None, help="default: 1x2048 4x2048 (smoke: 1x32 2x32)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; smoke 2)")
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     wrap_options = dict(compare._wrap_option(text) for text in args.wrap_option)
     if "attention" in wrap_options:
         parser.error("--wrap-option attention=... is what --modes sets")
-    shapes = args.shapes or list(SMOKE_SHAPES if args.smoke else SHAPES)
+    shapes = args.shapes or list(SMOKE_SHAPES if args.smoke else ["1x2048", "4x2048"])
     known = SMOKE_SHAPES if args.smoke else SHAPES
     for shape in shapes:
         if shape not in known:

@@ -47,3 +47,17 @@ def test_peer_is_off_with_the_reason_without_ranks():
 def test_bad_peer_option_is_refused(bad):
     with pytest.raises(ValueError, match="peer="):
         trainstream.wrap(_frozen_stack(), lr=1e-3, peer=bad)
+
+
+def test_peer_overhead_bench_smoke():
+    """tools/bench/peer_overhead.py on the CPU (host backend): both ranks, both sources, equal losses."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[3] / "tools" / "bench" / "peer_overhead.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--width", "32", "--blocks", "3",
+                           "--steps", "1", "--tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("| peer | ") == 2 and done.stdout.count("| host | ") == 2
+    assert done.stdout.count("| True |") == 4 and "pooled across 2 ranks" in done.stdout
