@@ -293,9 +293,6 @@ def test_host_memory_while_loading_stays_below_the_bf16_size(tmp_path, llama_dir
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="H200 2026-12-01: the GPU peak while loading was 220 MB against 269 MB of "
-                   "bf16 weights (CPU loading stays below half): transformers 5 seems to materialize several bf16 "
-                   "tensors on the GPU before the quantizer converts them; not diagnosed yet")
 def test_loading_onto_the_gpu_quantizes_there_below_the_bf16_size(llama_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -310,6 +307,8 @@ def test_loading_onto_the_gpu_quantizes_there_below_the_bf16_size(llama_dir, tmp
     start = torch.cuda.memory_allocated()
     model = _load(str(tmp_path), quantization_config=TrainStreamQuantConfig("nf4"), device_map="cuda")
     peak = torch.cuda.max_memory_allocated() - start
+    # Failed on the H200 on 2026-12-01 (220 MB against 269 MB); passed there on 2026-12-02
+    # (docs/results/gpu-tests-h200-2026-12-02.log).
     assert peak < 0.5 * bf16_bytes, (peak, bf16_bytes)
     layer = model.model.layers[0].mlp.up_proj
     assert isinstance(layer, QuantLinear) and layer.qweight.device.type == "cuda"
