@@ -98,7 +98,9 @@ def run_one(scenario: str, shape: str, mode: str, *, smoke: bool, steps: int, wa
     try:
         report = trainstream.memory_report(model)
         result["attention"] = report.get("attention")
-        result["events"] = [e for e in report.get("events", []) if "attention" in e or "activation" in e]
+        # The placement events too: a switch of the optimizer state in the timed steps moves them more than a kernel.
+        result["events"] = [e for e in report.get("events", [])
+                            if any(k in e for k in ("attention", "activation", "switch", "optimizer"))]
         result["activations"] = {k: v for k, v in (report.get("activations") or {}).items()
                                  if k in ("policy", "decision", "offloaded_blocks", "recompute_blocks")}
     except Exception as error:  # a report after a failed step is a bonus
@@ -132,28 +134,33 @@ def _head(job: dict) -> dict:
 
 def table(results: list[dict], modes: list[str]) -> str:
     """Markdown: median step (and peak VRAM) per scenario x shape and mode; auto's pick and its speed-up."""
-    rows = {}
+    rows: dict = {}
     for r in results:
-        rows.setdefault((r["scenario"], r["shape"]), {})[r["mode"]] = r
+        rows.setdefault((r["scenario"], r["shape"]), {}).setdefault(r["mode"], []).append(r)
     lines = ["| scenario | shape | " + " | ".join(modes) + " | auto picked | default / auto |",
              "|---|---|" + "---|" * len(modes) + "---|---|"]
     for (scenario, shape), by_mode in rows.items():
         cells = []
         for mode in modes:
-            r = by_mode.get(mode)
-            if r is None:
-                cells.append("")
-            elif r.get("median_s") is not None:
-                peak = f", {r['peak_gb']:.1f} GB" if r.get("peak_gb") else ""
-                cells.append(f"{r['median_s']:.3f} s{peak}" + ("" if r["outcome"] == "ok" else " (!)"))
-            else:
-                cells.append(str(r.get("outcome"))[:40])
-        auto, default = by_mode.get("auto") or {}, by_mode.get("default") or {}
-        picked = ((auto.get("attention") or {}).get("backend")) or "—"
-        ratio = (f"{default['median_s'] / auto['median_s']:.3f}x"
-                 if auto.get("median_s") and default.get("median_s") else "—")
+            cells.append(" / ".join(_cell(r) for r in by_mode.get(mode, [])))
+        auto, default = _median_of_runs(by_mode.get("auto", [])), _median_of_runs(by_mode.get("default", []))
+        picked = "/".join(sorted({(r.get("attention") or {}).get("backend") or "—" for r in by_mode.get("auto", [])}))
+        ratio = f"{default / auto:.3f}x" if auto and default else "—"
         lines.append(f"| {scenario} | {shape} | " + " | ".join(cells) + f" | {picked} | {ratio} |")
     return "\n".join(lines)
+
+
+def _cell(r: dict) -> str:
+    if r.get("median_s") is None:
+        return str(r.get("outcome"))[:40]
+    peak = f", {r['peak_gb']:.1f} GB" if r.get("peak_gb") else ""
+    return f"{r['median_s']:.3f} s{peak}" + ("" if r["outcome"] == "ok" else " (!)")
+
+
+def _median_of_runs(runs: list[dict]) -> float | None:
+    """The median over a mode's runs of each run's median step (None when none ran)."""
+    medians = [r["median_s"] for r in runs if r.get("median_s")]
+    return statistics.median(medians) if medians else None
 
 
 def kernel_table(results: list[dict]) -> str:
@@ -180,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; smoke 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 4; smoke 1)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per mode, interleaved (default, auto, default, auto, ...): one process per run; "
+                             "on a shared host the spread between runs can exceed the differences between modes")
     parser.add_argument("--vram-gb", type=float, default=24.0, help="VRAM cap per run in GB (0: none)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run process")
     parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=VALUE",
@@ -208,12 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for scenario in args.scenarios:
         for shape in shapes:
-            for mode in args.modes:
-                job = dict(scenario=scenario, shape=shape, mode=mode, smoke=args.smoke, steps=steps, warmup=warmup,
-                           vram_gb=args.vram_gb or None, wrap_options=wrap_options)
-                result = run_one(**job) if args.smoke else _child(job, args.timeout)
-                print(f"{scenario} {shape} {mode}: {result.get('outcome')} {result.get('median_s') or ''}", flush=True)
-                results.append(result)
+            for run in range(args.repeat):  # modes interleaved: default, auto, default, auto, ...
+                for mode in args.modes:
+                    job = dict(scenario=scenario, shape=shape, mode=mode, smoke=args.smoke, steps=steps,
+                               warmup=warmup, vram_gb=args.vram_gb or None, wrap_options=wrap_options)
+                    result = run_one(**job) if args.smoke else _child(job, args.timeout)
+                    result["run"] = run
+                    print(f"{scenario} {shape} {mode} (run {run + 1}): {result.get('outcome')} "
+                          f"{result.get('median_s') or ''}", flush=True)
+                    results.append(result)
                 _save(args.json, _header(args, steps, warmup, wrap_options, partial=True), results)
     header = _header(args, steps, warmup, wrap_options, partial=False)
     _save(args.json, header, results)

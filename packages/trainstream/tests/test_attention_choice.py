@@ -47,3 +47,24 @@ def test_ranks_adopting_each_others_timings_pin_the_same_kernel():
         _grads(model, torch.randn(1, 8, 32))  # the same signature: the adopted pin runs
         assert chooser.report()["chosen"][label] == chooser.report()["backend"] == "math"
     assert AttentionChooser("default").adopt(everyone) == 0
+
+
+def test_attention_bench_table_takes_the_median_over_interleaved_runs():
+    """tools/bench/attention_choice.py --repeat: each run's step in its cell, the ratio from the medians of runs."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "tools" / "bench" / "attention_choice.py"
+    spec = importlib.util.spec_from_file_location("attention_choice_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(mode, median, backend=None):
+        return {"scenario": "lora14b", "shape": "1x512", "mode": mode, "outcome": "ok", "median_s": median,
+                "peak_gb": None, "attention": {"backend": backend} if backend else None}
+
+    results = [run("default", 0.30), run("auto", 0.20, "cudnn"), run("default", 0.26), run("auto", 0.40, "flash"),
+               run("default", 0.28), run("auto", 0.21, "cudnn")]
+    row = bench.table(results, ["default", "auto"]).splitlines()[-1]
+    assert "0.300 s / 0.260 s / 0.280 s" in row and "0.200 s / 0.400 s / 0.210 s" in row
+    assert "| cudnn/flash |" in row and row.endswith(f"| {0.28 / 0.21:.3f}x |")
