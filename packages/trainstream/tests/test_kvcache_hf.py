@@ -59,6 +59,23 @@ def test_greedy_tokens_match_dynamic_cache(model, resident, page_tokens):
         assert kv.stats["reallocations"] >= 1
 
 
+@pytest.mark.parametrize("resident, chunk", [(0, 4), (2, 5), (LAYERS, 3)])
+def test_chunked_prefill_matches_dynamic_cache(model, resident, chunk):
+    """transformers' prefill_chunk_size: the prompt reaches the cache in several updates before decoding
+    (what the 4x-batch benchmark uses so the prefill's MLP fits); chunks that cross page boundaries."""
+    inputs = _prompts()
+    want = _generate(model, inputs, DynamicCache())
+    cache = TrainStreamCache(model, max_tokens=14, resident_layers=resident, page_tokens=4)
+    lengths, update = [], cache.kv.update
+    cache.kv.update = lambda layer, k, v: (lengths.append(k.shape[-2]) if layer == 0 else None) or update(layer, k, v)
+    got = _generate(model, inputs, cache, prefill_chunk_size=chunk)
+    assert torch.equal(got, want)
+    prompt = inputs["input_ids"].shape[1]
+    assert lengths[: -(got.shape[1] - prompt - 1)] == [min(chunk, prompt - i) for i in range(0, prompt, chunk)]
+    assert cache.kv.seq_length() == got.shape[1] - 1
+    cache.kv.check_invariants()
+
+
 def test_reset_then_a_new_prompt_matches(model):
     cache = TrainStreamCache(model, max_tokens=32, resident_layers=1, page_tokens=3)
     for seed, batch in [(1, 3), (2, 2)]:

@@ -13,6 +13,7 @@ part). Needs a GPU, transformers and trainstream.
 
     python packages/ts-kvcache/bench/generate.py --sweep --vram-cap-gb 40 --out docs/results/kvcache_h200.jsonl
     python packages/ts-kvcache/bench/generate.py --sweep --layers 8 --new 128 --vram-cap-gb 12   # minutes, not tens
+    python packages/ts-kvcache/bench/generate.py --sweep --vram-cap-gb 24 --prefill-chunk 64   # the 4x batch's prefill fits
 
 The sweep's probes each print a progress line on stderr (on 2026-12-01 a full-size sweep printed nothing
 within 230 s on the H200: every probe is a whole generate() of the 7B shape in its own process).
@@ -71,11 +72,12 @@ def _cache(engine: str, model, max_tokens: int, args):
     return TrainStreamCache(model, max_tokens, **options)
 
 
-def _generate(model, ids, cache, new: int):
+def _generate(model, ids, cache, new: int, prefill_chunk: int | None = None):
+    extra = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, past_key_values=cache, pad_token_id=0)
+                              min_new_tokens=new, do_sample=False, past_key_values=cache, pad_token_id=0, **extra)
 
 
 def _sync(device: str) -> None:
@@ -86,6 +88,7 @@ def _sync(device: str) -> None:
 def run_one(args) -> dict:
     cuda = args.device == "cuda"
     result = {"engine": args.engine, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+              "prefill_chunk": args.prefill_chunk,
               "vram_cap_gb": args.vram_cap_gb, "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if args.vram_cap_gb and cuda:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -100,11 +103,11 @@ def run_one(args) -> dict:
     ids = torch.randint(1, vocab, (args.batch, args.prompt), generator=gen).to(args.device)
     try:
         with torch.no_grad():
-            _generate(model, ids, _cache(args.engine, model, args.prompt + 8, args), 8)  # warm-up
+            _generate(model, ids, _cache(args.engine, model, args.prompt + 8, args), 8, args.prefill_chunk)  # warm-up
             cache = _cache(args.engine, model, args.prompt + args.new, args)
             _sync(args.device)
             start = time.perf_counter()
-            out = _generate(model, ids, cache, args.new)
+            out = _generate(model, ids, cache, args.new, args.prefill_chunk)
             _sync(args.device)
             elapsed = time.perf_counter() - start
     except torch.OutOfMemoryError as error:
@@ -126,6 +129,8 @@ def _child(args, engine: str, batch: int) -> dict:
            "--vram-fraction", str(args.vram_fraction), "--slots", str(args.slots)]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
+    if args.prefill_chunk:
+        cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.tiny:
         cmd += ["--tiny", "--device", args.device]
     if args.resident is not None:
@@ -178,6 +183,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test; with --device cpu)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--vram-cap-gb", type=float, default=0.0)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prompt tokens per prefill forward (transformers' prefill_chunk_size), the same for "
+                             "every engine: at 4x the batch the prefill's MLP, not the cache, ran out of memory")
     parser.add_argument("--page-tokens", type=int, default=256)
     parser.add_argument("--vram-fraction", type=float, default=0.5)
     parser.add_argument("--slots", type=int, default=2)
