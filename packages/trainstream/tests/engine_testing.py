@@ -9,7 +9,7 @@ import torch
 import ts_adamw
 from trainstream.engine import SlotState
 
-REAL_ADAMW_STEP = ts_adamw.adamw_step
+REAL_ADAMW_STEPS = ts_adamw.adamw_steps  # what the host worker calls (one call per batch of updates)
 
 
 def slow_updates(monkeypatch, seconds: float = 0.01) -> None:
@@ -17,23 +17,26 @@ def slow_updates(monkeypatch, seconds: float = 0.01) -> None:
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
-        REAL_ADAMW_STEP(*args, **kwargs)
+        REAL_ADAMW_STEPS(*args, **kwargs)
 
-    monkeypatch.setattr(ts_adamw, "adamw_step", slow)
+    monkeypatch.setattr(ts_adamw, "adamw_steps", slow)
 
 
 def failing_update(monkeypatch, index: int, times: int = 1) -> dict:
     """The host update of parameter `index` raises `times` times, before changing anything (as ts-adamw's
-    own validation does). Relies on wrap(seed=0): each update's rounding seed is its parameter's index."""
+    own validation does). A batched call holding it raises too (uncounted): the worker then retries that
+    batch's updates one by one, and only the update of `index` fails."""
     calls = {"failed": 0}
 
     def maybe_fail(*args, **kwargs):
-        if kwargs["seed"] == index and calls["failed"] < times:
-            calls["failed"] += 1
+        keys = kwargs["keys"]
+        if index in keys and calls["failed"] < times:
+            if len(keys) == 1:
+                calls["failed"] += 1
             raise RuntimeError("injected host update failure")
-        REAL_ADAMW_STEP(*args, **kwargs)
+        REAL_ADAMW_STEPS(*args, **kwargs)
 
-    monkeypatch.setattr(ts_adamw, "adamw_step", maybe_fail)
+    monkeypatch.setattr(ts_adamw, "adamw_steps", maybe_fail)
     return calls
 
 

@@ -115,7 +115,7 @@ def test_a_bad_optimizer_state_dict_changes_nothing(change, match):
 
 
 def test_a_failed_host_update_leaves_its_parameter_as_it_was_and_is_raised_once(monkeypatch):
-    model, opt = trainstream.wrap(tiny_llama(), lr=1e-2)  # seed=0: each update's seed is its index
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-2)  # each update's rounding key is its parameter's index
     loss_of(model, batches(1)[0]).backward()
     opt.step()
     before = snapshot(model)

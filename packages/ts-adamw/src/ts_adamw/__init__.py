@@ -4,7 +4,7 @@ import atexit
 
 from . import _core
 from ._cuda import CudaAdamWBatch, cuda_adamw_step
-from ._functional import HostAdamW, StepHandle, adamw_step, adamw_step_async, sum_of_squares
+from ._functional import HostAdamW, StepHandle, adamw_step, adamw_step_async, adamw_steps, sum_of_squares
 from ._optimizer import AdamW
 
 # Steps still in flight at exit (handles never waited, or alive until interpreter teardown) finish before
@@ -58,6 +58,7 @@ __all__ = [
     "StepHandle",
     "adamw_step",
     "adamw_step_async",
+    "adamw_steps",
     "built_with_cuda",
     "cuda_adamw_step",
     "host_isa",

@@ -87,3 +87,13 @@ def scalar(value, what: str) -> float:
         return float(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{what}={value!r} must be a number that fits a float") from None
+
+
+def rounding_keys(keys, count: int) -> list[int]:
+    """The native list of per-tensor rounding keys ([] for the default: each tensor's position)."""
+    if keys is None:
+        return []
+    keys = list(keys)
+    if len(keys) != count or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**32 for k in keys):
+        raise ValueError(f"keys must be {count} integers in [0, 2**32), one per tensor; got {keys!r}")
+    return keys

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
-from ._args import bump_versions, increment_versions, plain_list, scalar, seed_number, step_number
+from ._args import bump_versions, increment_versions, plain_list, rounding_keys, scalar, seed_number, step_number
 
 __all__ = ["CudaAdamWBatch", "cuda_adamw_step"]
 
@@ -51,20 +51,11 @@ def cuda_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
         if stream is None:
             stream = torch.cuda.current_stream(device)
         handle = _stream_handle(stream)
-        _core.cuda_step(*lists, outs, _keys(keys, len(lists[0])), scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"),
+        _core.cuda_step(*lists, outs, rounding_keys(keys, len(lists[0])), scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"),
                         scalar(eps, "eps"), scalar(weight_decay, "weight_decay"), step_number(step), bool(maximize),
                         scalar(grad_scale, "grad_scale"), seed_number(seed), handle)
     # The writes are queued on the stream; autograd's bookkeeping is by program order, so bump now.
     bump_versions((*params, *exp_avgs, *exp_avg_sqs, *(params_out or ())))
-
-
-def _keys(keys, count: int) -> list[int]:
-    if keys is None:
-        return []
-    keys = list(keys)
-    if len(keys) != count or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**32 for k in keys):
-        raise ValueError(f"keys must be {count} integers in [0, 2**32), one per tensor; got {keys!r}")
-    return keys
 
 
 def _stream_handle(stream) -> int:
@@ -101,7 +92,7 @@ class CudaAdamWBatch:
                              f"got {grad_dtypes!r}")
         device = _device_of([t for group in (*lists, outs) for t in group]) or torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(device):
-            self._core = _core.prepare_cuda_step(*lists, outs, _keys(keys, count),
+            self._core = _core.prepare_cuda_step(*lists, outs, rounding_keys(keys, count),
                                                  [_GRAD_KINDS[d] for d in grad_dtypes])
         self.device = device
         self._index = device.index

@@ -5,9 +5,18 @@ from __future__ import annotations
 import torch
 
 from . import _core
-from ._args import bump_versions, plain, plain_list, scalar, seed_number, step_number, thread_count
+from ._args import (
+    bump_versions,
+    plain,
+    plain_list,
+    rounding_keys,
+    scalar,
+    seed_number,
+    step_number,
+    thread_count,
+)
 
-__all__ = ["HostAdamW", "StepHandle", "adamw_step", "adamw_step_async", "sum_of_squares"]
+__all__ = ["HostAdamW", "StepHandle", "adamw_step", "adamw_step_async", "adamw_steps", "sum_of_squares"]
 
 StepHandle = _core.StepHandle
 
@@ -42,6 +51,32 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     _core.step(*_native_args(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay,
                              step, maximize, grad_scale, seed, threads))
     bump_versions((param, exp_avg, exp_avg_sq, param_out))
+
+
+def adamw_steps(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, step: int, maximize: bool = False, grad_scale: float = 1.0,
+                params_out: list[torch.Tensor] | None = None, seed: int = 0, keys: list[int] | None = None,
+                threads: int | None = None) -> None:
+    """``adamw_step`` over lists of tensors in one call (one plan, one pass of the host pool): the host
+    counterpart of ``cuda_adamw_step``, for many small tensors whose per-call cost would dominate.
+
+    Every list has one entry per tensor (``params_out``: all or none). ``keys``: one integer per tensor
+    naming its stochastic-rounding stream (default: its position), so a tensor rounds the same whether it
+    is updated alone or in a batch, and the same as ``cuda_adamw_step`` with the same ``seed`` and keys.
+    Invalid input raises ValueError before anything changes.
+    """
+    lists = [plain_list(x, name) for x, name in ((params, "params"), (grads, "grads"), (exp_avgs, "exp_avgs"),
+                                                 (exp_avg_sqs, "exp_avg_sqs"))]
+    outs = [] if params_out is None else plain_list(params_out, "params_out")
+    count = len(lists[0])
+    if any(len(x) != count for x in lists) or (outs and len(outs) != count):
+        raise ValueError(f"adamw_steps: params, grads, exp_avgs, exp_avg_sqs (and params_out, when given) need one "
+                         f"entry per tensor; got {[len(x) for x in lists]}" + (f" and {len(outs)}" if outs else ""))
+    _core.step(*lists, outs, rounding_keys(keys, count), scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"),
+               scalar(eps, "eps"), scalar(weight_decay, "weight_decay"), step_number(step), bool(maximize),
+               scalar(grad_scale, "grad_scale"), seed_number(seed), thread_count(threads))
+    bump_versions((*params, *exp_avgs, *exp_avg_sqs, *(params_out or ())))
 
 
 def adamw_step_async(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

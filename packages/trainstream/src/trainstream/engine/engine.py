@@ -213,6 +213,7 @@ class UpdateEngine:
             self._take_resident(resident)
         if self.max_grad_norm is not None:
             self._clip_and_update()
+        self.host.flush()  # the small updates submit() held back start now
         if self.step_hook is not None:
             self.step_hook.after_updates(self)
         if self.guard_params:

@@ -42,6 +42,11 @@ class Hyper:
     seed: int  # this parameter's stochastic-rounding stream (host updates)
     run_seed: int = 0  # the run's stream; device updates name the parameter by its index instead
 
+    def batch_key(self) -> tuple:
+        """Updates with equal keys (and equal step counts) may run in one host call: all but the seed."""
+        return (self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.maximize, self.grad_scale,
+                self.run_seed)
+
     def kwargs(self, step: int) -> dict:
         return {"lr": self.lr, "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
                 "weight_decay": self.weight_decay, "step": step, "maximize": self.maximize,
@@ -218,6 +223,23 @@ def _finish_updates_at_exit() -> None:
         updater.close()
 
 
+# Host updates of tensors up to this many values that are queued together run as one adamw_steps call
+# (issue 13: for LoRA's small tensors the call, not the arithmetic, was the cost: about 30 us each).
+BATCH_MAX_VALUES = 1 << 16
+BATCH_MAX_ITEMS = 64
+# Small updates wake the worker once this many are queued (or at a flush: step(), any wait), so they queue
+# together instead of each waking it: woken per item, the worker kept up and ran them one by one.
+WAKE_AFTER_SMALL = 16
+
+
+def _joins(first: ParamSlot, other: ParamSlot) -> bool:
+    """Whether `other`'s update may run in the same host call as `first`'s (see BATCH_MAX_VALUES)."""
+    return (other.numel <= BATCH_MAX_VALUES and first.numel <= BATCH_MAX_VALUES and other.step == first.step
+            and other.exp_avg.dtype == first.exp_avg.dtype
+            and (other.out_host is other.master) == (first.out_host is first.master)
+            and other.hyper.batch_key() == first.hyper.batch_key())
+
+
 class HostUpdater:
     """The worker thread that applies host updates in sequence order and uploads the results.
 
@@ -252,13 +274,20 @@ class HostUpdater:
         sequence = self.submitted + 1
         self._items.append((sequence, slot))
         self.submitted = sequence
-        self._wake.set()
+        if slot.numel > BATCH_MAX_VALUES or len(self._items) >= WAKE_AFTER_SMALL:
+            self._wake.set()
         return sequence
+
+    def flush(self) -> None:
+        """Lets the worker start on everything queued (submit() holds back a few small updates)."""
+        if self._items:
+            self._wake.set()
 
     def _wait(self, done) -> None:
         # Polls with short sleeps rather than waiting on a Condition: a KeyboardInterrupt that lands
         # while Condition.wait re-acquires its lock leaves it released and raises a RuntimeError
         # instead (seen in the SIGALRM soak). time.sleep is interrupted cleanly.
+        self.flush()  # what the caller waits for may be held back by submit()
         delay = 0.0
         while not done():
             if not self._running:
@@ -304,25 +333,53 @@ class HostUpdater:
                     item = self._items.popleft()
                     if item is None:
                         return
-                    self._apply(*item)
+                    batch = [item]  # small updates queued behind it with the same hyper-parameters join it
+                    while (len(batch) < BATCH_MAX_ITEMS and self._items and self._items[0] is not None
+                           and _joins(item[1], self._items[0][1])):
+                        batch.append(self._items.popleft())
+                    self._apply(batch)
         finally:
             self._running = False
 
-    def _apply(self, sequence: int, slot: ParamSlot) -> None:
+    def _apply(self, batch: list[tuple[int, ParamSlot]]) -> None:
+        """One host call for the batch's updates, then each new weight's upload. Rounding streams are keyed
+        by the parameter's index under the run's seed, as the CUDA updates are, so a parameter rounds the
+        same alone, in a batch, or on the GPU."""
+        slots = [slot for _, slot in batch]
         applied = False
         error = None
         try:
-            self._channel.host_wait(slot.grad_token)
-            self._channel.host_wait(slot.upload_event)  # the previous upload read out_host: it must be done
-            started = time.perf_counter()
-            ts_adamw.adamw_step(slot.master, slot.grad_host, slot.exp_avg, slot.exp_avg_sq,
-                                param_out=None if slot.out_host is slot.master else slot.out_host,
-                                **slot.hyper.kwargs(slot.step + 1))
-            self.busy_seconds += time.perf_counter() - started
+            for slot in slots:
+                self._channel.host_wait(slot.grad_token)
+                self._channel.host_wait(slot.upload_event)  # the previous upload read out_host: it must be done
+            self._adamw(slots)
             applied = True
-            slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
         except BaseException as failure:  # reported once, at the next sync point
             error = failure
+        if error is not None and len(batch) > 1:
+            # adamw_steps changes nothing when it raises: one by one, only the update that fails is reported.
+            for item in batch:
+                self._apply([item])
+            return
+        for sequence, slot in batch:
+            failed = error
+            if applied:
+                try:
+                    slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
+                except BaseException as failure:
+                    failed = failure
+            self._handled(sequence, slot, applied, failed)
+
+    def _adamw(self, slots: list[ParamSlot]) -> None:
+        first = slots[0]
+        started = time.perf_counter()
+        ts_adamw.adamw_steps([s.master for s in slots], [s.grad_host for s in slots], [s.exp_avg for s in slots],
+                             [s.exp_avg_sq for s in slots],
+                             params_out=None if first.out_host is first.master else [s.out_host for s in slots],
+                             keys=[s.index & 0xFFFFFFFF for s in slots], **first.hyper.device_kwargs(first.step + 1))
+        self.busy_seconds += time.perf_counter() - started
+
+    def _handled(self, sequence: int, slot: ParamSlot, applied: bool, error: BaseException | None) -> None:
         with self._lock:  # handled, applied or not: nobody waits forever on this sequence
             slot.grad_token = slot.hyper = None
             if applied:
