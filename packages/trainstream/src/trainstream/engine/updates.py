@@ -39,8 +39,8 @@ class Hyper:
     weight_decay: float
     maximize: bool
     grad_scale: float
-    seed: int  # this parameter's stochastic-rounding stream (host updates)
-    run_seed: int = 0  # the run's stream; device updates name the parameter by its index instead
+    seed: int  # run_seed + the parameter's index (the older per-parameter form; updates use run_seed + key)
+    run_seed: int = 0  # the run's stream: host and device updates name the parameter by its index (the key)
 
     def batch_key(self) -> tuple:
         """Updates with equal keys (and equal step counts) may run in one host call: all but the seed."""
@@ -53,6 +53,7 @@ class Hyper:
                 "grad_scale": self.grad_scale, "seed": self.seed}
 
     def device_kwargs(self, step: int) -> dict:
+        """The keyword arguments of ts-adamw's list calls (host adamw_steps and CUDA), keyed per tensor."""
         return {**self.kwargs(step), "seed": self.run_seed}
 
     def for_slot(self, slot: ParamSlot) -> Hyper:
