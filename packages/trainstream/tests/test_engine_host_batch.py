@@ -32,6 +32,8 @@ def _run(monkeypatch, batch_items: int, **options):
     model, opt = trainstream.wrap(tiny_llama(), lr=1e-2, **options)
     train(model, opt, batches(3))
     state = snapshot(model)
+    optimizer = trainstream.memory_report(model)["optimizer"]
+    assert optimizer["host_calls"] == len(sizes) and optimizer["host_updates"] == sum(sizes)
     trainstream.unwrap(model)
     return state, sizes
 

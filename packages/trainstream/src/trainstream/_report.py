@@ -58,6 +58,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             "moment_dtype": str(session.moment_dtype).removeprefix("torch."),
             "steps": session.steps,
             "host_updates": session.engine.host.updates,
+            "host_calls": session.engine.host.calls,
             "placements": placements,
             "last_grad_norm": session.engine.last_grad_norm,
         },

@@ -258,6 +258,7 @@ class HostUpdater:
         self.submitted = 0
         self.applied = 0
         self.updates = 0
+        self.calls = 0  # ts-adamw host calls made (a batch of small updates is one)
         self.busy_seconds = 0.0  # wall time inside host AdamW (the worker's own counter)
         self._errors: list[tuple[ParamSlot, BaseException]] = []
         # Liveness as a flag the worker clears on its way out: Thread.is_alive() interrupted by a
@@ -379,6 +380,7 @@ class HostUpdater:
                              params_out=None if first.out_host is first.master else [s.out_host for s in slots],
                              keys=[s.index & 0xFFFFFFFF for s in slots], **first.hyper.device_kwargs(first.step + 1))
         self.busy_seconds += time.perf_counter() - started
+        self.calls += 1
 
     def _handled(self, sequence: int, slot: ParamSlot, applied: bool, error: BaseException | None) -> None:
         with self._lock:  # handled, applied or not: nobody waits forever on this sequence
