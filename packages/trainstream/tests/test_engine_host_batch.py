@@ -9,6 +9,7 @@ import pytest
 import torch
 import trainstream
 import ts_adamw
+import ts_pinned
 from engine_testing import REAL_ADAMW_STEPS, same_state, snapshot
 from trainstream.engine import updates
 from ts_testing import batches, tiny_llama, train
@@ -60,7 +61,7 @@ def test_large_tensors_and_different_steps_do_not_join(monkeypatch):
     def slot(numel: int, step: int = 0, lr: float = 1e-3, index: int = 0) -> ParamSlot:
         group = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
         s = ParamSlot(torch.nn.Parameter(torch.zeros(numel)), index, group)
-        s.allocate("host", torch.float32, trainstream.memory.offload.ts_pinned.default_arena())
+        s.allocate("host", torch.float32, ts_pinned.default_arena())
         s.step, s.hyper = step, updates.hyper_of(s, 1.0, 0)
         return s
 

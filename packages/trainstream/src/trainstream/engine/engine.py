@@ -334,7 +334,7 @@ class UpdateEngine:
             self._follow_user_edit(s)  # edited between backward and step(): the update starts from the edit
         with interrupts.critical():
             for s in host:
-                s.hyper = hypers[id(s.group)].for_slot(s)
+                s.hyper = hypers[id(s.group)]
                 s.move(S.QUEUED)
                 s.written = self.host.submit(s)
         device = [s for s in arrived if s.placement != "host"]

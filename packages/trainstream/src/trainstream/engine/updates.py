@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import math
 import threading
 import time
@@ -39,26 +38,13 @@ class Hyper:
     weight_decay: float
     maximize: bool
     grad_scale: float
-    seed: int  # run_seed + the parameter's index (the older per-parameter form; updates use run_seed + key)
-    run_seed: int = 0  # the run's stream: host and device updates name the parameter by its index (the key)
-
-    def batch_key(self) -> tuple:
-        """Updates with equal keys (and equal step counts) may run in one host call: all but the seed."""
-        return (self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.maximize, self.grad_scale,
-                self.run_seed)
+    seed: int  # the run's rounding stream; each update names its parameter by its index (the key)
 
     def kwargs(self, step: int) -> dict:
+        """The keyword arguments of ts-adamw's list calls (host adamw_steps and CUDA), keyed per tensor."""
         return {"lr": self.lr, "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
                 "weight_decay": self.weight_decay, "step": step, "maximize": self.maximize,
                 "grad_scale": self.grad_scale, "seed": self.seed}
-
-    def device_kwargs(self, step: int) -> dict:
-        """The keyword arguments of ts-adamw's list calls (host adamw_steps and CUDA), keyed per tensor."""
-        return {**self.kwargs(step), "seed": self.run_seed}
-
-    def for_slot(self, slot: ParamSlot) -> Hyper:
-        """The same values with `slot`'s own rounding stream (what hyper_of(slot) gives)."""
-        return dataclasses.replace(self, seed=(self.run_seed + slot.index) & 0xFFFFFFFF)
 
 
 def _number(where: str, key: str, value, low: float, high: float = math.inf, *, closed_high: bool = True) -> float:
@@ -87,15 +73,14 @@ def hyper_of(slot: ParamSlot, grad_scale: float, seed: int) -> Hyper:
         weight_decay=_number(where, "weight_decay", g["weight_decay"], 0.0),
         maximize=maximize,
         grad_scale=float(grad_scale),
-        # Distinct stochastic-rounding streams per parameter, reproducible across runs.
-        seed=(seed * 1_000_003 + slot.index) & 0xFFFFFFFF,
-        run_seed=(seed * 1_000_003) & 0xFFFFFFFF,
+        # Reproducible across runs; the parameter's own stream is its key (its index) under this seed.
+        seed=(seed * 1_000_003) & 0xFFFFFFFF,
     )
 
 
 def group_hypers(slots: list[ParamSlot], grad_scale: float, seed: int) -> dict[int, Hyper]:
     """hyper_of once per param group of `slots` (keyed by id(group)), in slot order, so a bad value is
-    refused naming the group's first trained parameter. Hyper.seed is that first slot's: use for_slot."""
+    refused naming the group's first trained parameter."""
     hypers: dict[int, Hyper] = {}
     for slot in slots:
         key = id(slot.group)
@@ -172,7 +157,7 @@ def launch_batches(batches: list[DeviceBatch], grads: list[list[torch.Tensor]], 
     stream.wait_event(after)
     with torch.cuda.device(channel.device), torch.cuda.stream(stream):
         for batch, batch_grads in zip(batches, grads):
-            batch.launch(batch_grads, hypers[id(batch.group)].device_kwargs(batch.step + 1), stream)
+            batch.launch(batch_grads, hypers[id(batch.group)].kwargs(batch.step + 1), stream)
             if record_streams:
                 for grad in batch_grads:
                     grad.record_stream(stream)
@@ -196,7 +181,7 @@ def launch_device_updates(batch: list[tuple[ParamSlot, torch.Tensor, Hyper]], ch
     stream.wait_event(after)
     groups: dict[tuple, list] = {}
     for slot, grad, h in batch:
-        kwargs = h.device_kwargs(slot.step + 1)
+        kwargs = h.kwargs(slot.step + 1)
         groups.setdefault(tuple(sorted(kwargs.items())), []).append((slot, grad))
     with torch.cuda.device(channel.device), torch.cuda.stream(stream):
         for key, items in groups.items():
@@ -238,7 +223,7 @@ def _joins(first: ParamSlot, other: ParamSlot) -> bool:
     return (other.numel <= BATCH_MAX_VALUES and first.numel <= BATCH_MAX_VALUES and other.step == first.step
             and other.exp_avg.dtype == first.exp_avg.dtype
             and (other.out_host is other.master) == (first.out_host is first.master)
-            and other.hyper.batch_key() == first.hyper.batch_key())
+            and other.hyper == first.hyper)
 
 
 class HostUpdater:
@@ -378,7 +363,7 @@ class HostUpdater:
         ts_adamw.adamw_steps([s.master for s in slots], [s.grad_host for s in slots], [s.exp_avg for s in slots],
                              [s.exp_avg_sq for s in slots],
                              params_out=None if first.out_host is first.master else [s.out_host for s in slots],
-                             keys=[s.index & 0xFFFFFFFF for s in slots], **first.hyper.device_kwargs(first.step + 1))
+                             keys=[s.index & 0xFFFFFFFF for s in slots], **first.hyper.kwargs(first.step + 1))
         self.busy_seconds += time.perf_counter() - started
         self.calls += 1
 
