@@ -221,6 +221,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if shared is not None:
             entries = [(slot, entry) for slot, entry in entries if slot.owned]
         session.synchronize()
+        if session.weights is not None:
+            session.weights.evict_all()  # streamed weights are written to their host copies: no stale device copy
         for slot in [slot for slot, _ in entries if slot.state is SlotState.DORMANT]:
             session.engine.activate(slot)  # state for a parameter frozen at wrap(): it trains from it
         session.engine.discard()  # gradients held for the old state's step do not carry over

@@ -127,6 +127,8 @@ class TrainStreamSession:
                                    seed=options.seed, guard_params=options.guard_params, placement=initial,
                                    distributed=options.distributed)
         try:
+            if self.weights is not None and self.weights.trained_blocks:
+                self._bind_streamed_slots(slots)
             for slot in trained:
                 self.engine.activate(slot)
             self.guard = ForwardGuard(model, self.engine)
@@ -165,6 +167,16 @@ class TrainStreamSession:
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
             self.events.add("plan", "no CUDA device: the optimizer stays on host threads")
 
+    def _bind_streamed_slots(self, slots: list[ParamSlot]) -> None:
+        """Trained weights that stream with their blocks: their state stays on the host (slots.py,
+        invariant 7) and the streamer hears of their updates (weights.py, invariant 5)."""
+        weights = self.weights
+        streamed = {id(p): i for i in weights.trained_blocks for _m, _n, p in weights.streamed[i].params}
+        for slot in slots:
+            slot.streamed_block = streamed.get(id(slot.param))
+        self.engine.streamer = weights
+        weights.bind_updates(slots, self.engine.host.wait_applied)
+
     def _before_load(self, state_dict: dict, prefix: str) -> None:
         if self.weights is not None:
             self.weights.check_load(self.model, state_dict, prefix)  # a refusal comes before any change
@@ -174,12 +186,18 @@ class TrainStreamSession:
 
     def _streaming_message(self) -> str:
         w = self.weights
-        trained = sum(1 for b in w.streamed.values() for m in [w.blocks[b.index]]
-                      for p in m.parameters() if p.requires_grad)
-        return (f"param_offload: the frozen weights of {len(w.streamed)} of {len(w.blocks)} blocks "
+        streams = set(w.param_ids)
+        resident = sum(1 for b in w.streamed.values() for p in w.blocks[b.index].parameters()
+                       if p.requires_grad and id(p) not in streams)
+        moving = len(w.trained_blocks)
+        return (f"param_offload: the weights of {len(w.streamed)} of {len(w.blocks)} blocks "
                 f"({w.host_bytes() / GiB:.2f} GiB) live in host memory and stream to the GPU, at most "
                 f"{w.capacity} blocks resident ({w.prefetch_depth} fetched ahead)"
-                + (f"; {trained} trained parameters in those blocks stay in VRAM" if trained else ""))
+                + (f"; the trained weights of {moving} of them ({w.trained_bytes() / GiB:.2f} GiB) stream too: "
+                   f"their AdamW state stays on host threads, each update is written into the host copy the "
+                   f"block's next fetch carries" if moving else "")
+                + (f"; {resident} trained parameters in those blocks (small beside the frozen weights) stay in VRAM"
+                   if resident else ""))
 
     def _upload_bytes_per_step(self) -> int:
         """Host->device bytes the host updates upload each step (the weights of host-placed slots)."""
@@ -195,8 +213,9 @@ class TrainStreamSession:
         return (_no_session, ())
 
     def _check_devices(self, slots: list[ParamSlot]) -> None:
+        streamed = self.weights.param_ids if self.weights is not None else set()  # in host memory until fetched
         for slot in slots:
-            if slot.param.device != self.device:
+            if slot.param.device != self.device and id(slot.param) not in streamed:
                 raise ValueError(f"parameter {slot.index} is on {slot.param.device} but the model trains on "
                                  f"{self.device}; build the optimizer from the model's parameters")
 
@@ -208,6 +227,8 @@ class TrainStreamSession:
         settled = self.activations.settled
         self.activations.step_finished()
         self.engine.step()
+        if self.weights is not None:
+            self.weights.drop_stale()  # reads after step() see the host copies the updates write
         self.activations.sweep()
         self.steps += 1
         now = time.perf_counter()
@@ -256,7 +277,7 @@ class TrainStreamSession:
         peak = torch.cuda.max_memory_allocated(self.device)
         budget = vram_budget(self.device, self.config.vram_headroom)
         room = budget - peak
-        movable = [s for s in self.engine.active if s.placement != "device"]
+        movable = [s for s in self.engine.active if s.placement != "device" and not s.streamed]
         need = sum(device_state_bytes(s) for s in movable)
         self.adapting = False
         if not movable:
@@ -297,7 +318,7 @@ class TrainStreamSession:
     def _start_mapped_trial(self, room: int) -> None:
         """offload='auto', state in host memory: measure mapped CUDA AdamW against host AdamW when the
         gradients it keeps in VRAM until step() fit twice in the room the measured peak left."""
-        host = [s for s in self.engine.active if s.placement == "host"]
+        host = [s for s in self.engine.active if s.placement == "host" and not s.streamed]
         grads = sum(s.numel * s.param.element_size() for s in host)
         if self.config.offload != "auto" or not host or self.engine.step_hook is not None or 2 * grads > room:
             return
@@ -313,7 +334,7 @@ class TrainStreamSession:
         if action is None:
             return
         wanted = "mapped" if action == "switch" else "host"
-        slots = [s for s in self.engine.active if s.placement in ("host", "mapped")]
+        slots = [s for s in self.engine.active if s.placement in ("host", "mapped") and not s.streamed]
         if action in ("switch", "revert"):
             self.synchronize()
             self.engine.fused_mapped = wanted == "mapped"  # before place(): it decides the slots' hooks

@@ -144,7 +144,27 @@ def _weight_streamer(model: torch.nn.Module, device: torch.device, opts) -> Weig
         raise ValueError("param_offload= needs the model's repeated blocks, and find_blocks() found none: "
                          "pass blocks=[...]")
     chosen = blocks_of("param_offload", opts.param_offload, len(blocks))
-    return WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth, shared=opts.distributed)
+    streamer = WeightStreamer(blocks, chosen, device=device, prefetch_depth=opts.prefetch_depth,
+                              shared=opts.distributed, trained=None)
+    if streamer.trained_blocks:
+        why = _why_trained_cannot_stream(opts)
+        if why:
+            raise ValueError(f"param_offload would stream the trained weights of {len(streamer.trained_blocks)} blocks "
+                             f"(a full fine-tune: they are most of those blocks' bytes), which needs {why}. Use "
+                             f"param_offload=False (or fewer blocks), or train LoRA adapters")
+    return streamer
+
+
+def _why_trained_cannot_stream(opts) -> str | None:
+    """None when streamed trained weights can train with these options, else what they need: their
+    AdamW runs on host threads and writes the host copy a fetch reads (one process owns it)."""
+    from . import distributed as tsd
+
+    if opts.optimizer_mode == "gpu":
+        return "the optimizer on host threads, not optimizer_mode='gpu' (use 'cpu' or 'auto')"
+    if tsd.world_of(opts.distributed) > 1:
+        return "one process: under data parallel every rank would write its machine's one host copy"
+    return None
 
 
 def _plan_inputs(model: torch.nn.Module, device: torch.device, opts) -> tuple[list, object, object]:

@@ -90,6 +90,9 @@ class UpdateEngine:
         self._held_grads: tuple | None = None
         self._dormant = [s for s in slots if s.state is S.DORMANT]
         self._grad_hook = EngineHook(self._on_grad)
+        # Streamed slots (slots.py, invariant 7): set by the session to its WeightStreamer, which gives each
+        # its host copy (``host_copy``) and hears of each queued update (``update_queued``).
+        self.streamer = None
 
     @property
     def active(self) -> list[ParamSlot]:
@@ -102,7 +105,10 @@ class UpdateEngine:
         owns (data parallel) stays DORMANT."""
         if not slot.owned:
             return
-        slot.allocate(placement or self.placement, self.moment_dtype, self.arena)
+        if slot.streamed:
+            slot.allocate("host", self.moment_dtype, self.arena, host_copy=self.streamer.host_copy(slot.param))
+        else:
+            slot.allocate(placement or self.placement, self.moment_dtype, self.arena)
         self._batches = None
         with interrupts.critical():
             self._hook_for(slot)
@@ -168,7 +174,7 @@ class UpdateEngine:
             if immediate:
                 slot.hyper = hyper
                 slot.move(S.QUEUED)
-                slot.written = self.host.submit(slot)
+                slot.written = self._submit(slot)
             else:
                 slot.move(S.ARRIVED)
         elif immediate:
@@ -180,6 +186,14 @@ class UpdateEngine:
         else:
             slot.micro = 0
             slot.move(S.ARRIVED)  # device gradients wait in param.grad for the norm
+
+    def _submit(self, slot: ParamSlot) -> int:
+        """Queues a QUEUED slot's host update (inside a critical section); a streamed weight's block
+        learns that its device copy is stale and which update its next fetch waits for."""
+        sequence = self.host.submit(slot)
+        if slot.streamed:
+            self.streamer.update_queued(slot.streamed_block, sequence)
+        return sequence
 
     def _follow_user_edit(self, slot: ParamSlot) -> None:
         """Invariant 4: a weight written by the user is where its next update starts."""
@@ -336,7 +350,7 @@ class UpdateEngine:
             for s in host:
                 s.hyper = hypers[id(s.group)]
                 s.move(S.QUEUED)
-                s.written = self.host.submit(s)
+                s.written = self._submit(s)
         device = [s for s in arrived if s.placement != "host"]
         if device:
             self._launch_device(device, self._clip_scale)  # follows the device slots' edits itself
@@ -412,7 +426,7 @@ class UpdateEngine:
         """Moves slots to a placement (after synchronize()); returns the values moved."""
         moved = 0
         for slot in slots:
-            if slot.placement != placement:
+            if slot.placement != placement and not slot.streamed:  # streamed: on the host (invariant 7)
                 self._batches = None
                 slot.move_to(placement, self.arena)
                 with interrupts.critical():

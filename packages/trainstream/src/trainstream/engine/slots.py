@@ -29,6 +29,11 @@ Invariants (checked by tests/test_engine_state_machine.py):
   5. ``micro`` > 0 only in ACCUMULATING.
   6. ``written`` marks the last write of the weight that the compute stream has not yet been
      ordered after (a channel token); the guard clears it once it is.
+  7. A *streamed* slot (``streamed_block`` set: its weight is one of a ``WeightStreamer``'s, in host
+     memory, visiting the GPU with its block) is always placed on the host. Its ``out_host`` is the
+     streamer's host copy of the weight: the worker writes the rounded update there and uploads
+     nothing (the block's next fetch carries it). ``upload_event`` is then the streamer's newest copy
+     *reading* that host copy, which the worker waits for before writing it.
 
 Flat buffers follow the parameter's memory order, so any dense layout (``channels_last``
 included) trains; ``flat()`` and ``shaped()`` convert.
@@ -122,6 +127,7 @@ class ParamSlot:
     weight_ptr: int = 0
     hook: object = None
     owned: bool = True  # data parallel: this rank keeps the state and runs the update (set once, at wrap())
+    streamed_block: int | None = None  # invariant 7: the streamed block holding the weight (set once, at wrap())
 
     # Counts allocate() and load() calls of every slot (new buffers, or a step set from outside): the
     # engine's cached launch arguments are rebuilt when it moved. A class attribute, not a field.
@@ -130,6 +136,10 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return self.param.numel()
+
+    @property
+    def streamed(self) -> bool:
+        return self.streamed_block is not None
 
     @property
     def label(self) -> str:
@@ -148,7 +158,11 @@ class ParamSlot:
         self.weight_ptr = self.param.data_ptr()
 
     def weight_changed(self) -> bool:
-        """True when someone other than the engine wrote the weight (in place, load_state_dict, or a new .data)."""
+        """True when someone other than the engine wrote the weight (in place, load_state_dict, or a new .data).
+        A streamed weight's ``.data`` moves between its host copy and its block's device buffer on every
+        visit: only its version tells (the streamer writes edits made while resident back to the host)."""
+        if self.streamed:
+            return self.param._version != self.weight_version
         return self.param._version != self.weight_version or self.param.data_ptr() != self.weight_ptr
 
     def follow_weight(self) -> None:
@@ -160,7 +174,8 @@ class ParamSlot:
 
     def state_bytes(self) -> int:
         """Bytes of master + moments (+ host gradient / upload buffers)."""
-        tensors = (self.master, self.exp_avg, self.exp_avg_sq, self.grad_host, self.out_host)
+        out = None if self.streamed else self.out_host  # a streamed weight's host copy is the streamer's
+        tensors = (self.master, self.exp_avg, self.exp_avg_sq, self.grad_host, out)
         seen, total = set(), 0
         for t in tensors:
             if t is not None and t.data_ptr() not in seen:
@@ -168,9 +183,13 @@ class ParamSlot:
                 total += t.numel() * t.element_size()
         return total
 
-    def allocate(self, placement: str, moment_dtype: torch.dtype, arena: ts_pinned.PinnedArena) -> None:
-        """Creates the state buffers for `placement` from the current weight; moments start at zero."""
-        p = flat(self.param.detach())
+    def allocate(self, placement: str, moment_dtype: torch.dtype, arena: ts_pinned.PinnedArena,
+                 host_copy: torch.Tensor | None = None) -> None:
+        """Creates the state buffers for `placement` from the current weight; moments start at zero.
+        A streamed slot passes `host_copy`, the streamer's flat host copy of the weight (invariant 7)."""
+        if self.streamed != (host_copy is not None) or (self.streamed and placement != "host"):
+            raise AssertionError(f"{self.label}: a streamed weight's state is on the host, made from its host copy")
+        p = flat(self.param.detach()) if host_copy is None else host_copy
         n = p.numel()
         if placement == "device":
             master = p.to(torch.float32, copy=True)
@@ -185,8 +204,10 @@ class ParamSlot:
             grad_host = out_host = None
             if placement == "host":
                 grad_host = arena.empty(n, p.dtype, tag="grads")
-                # fp32 weights upload straight from the master copy.
-                out_host = master if p.dtype == torch.float32 else arena.empty(n, p.dtype, tag="weights")
+                if self.streamed:  # invariant 7: the update lands in the streamer's host copy
+                    out_host = p
+                else:  # fp32 weights upload straight from the master copy.
+                    out_host = master if p.dtype == torch.float32 else arena.empty(n, p.dtype, tag="weights")
         # Assigned together once everything exists: a failed allocation leaves the slot as it was.
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
         self.grad_host, self.out_host, self.placement = grad_host, out_host, placement
@@ -196,6 +217,8 @@ class ParamSlot:
         """Moves master and moments to another placement, keeping their values (slot not QUEUED)."""
         if placement == self.placement:
             return
+        if self.streamed:
+            raise AssertionError(f"{self.label}: a streamed weight's state stays on the host (invariant 7)")
         master, exp_avg, exp_avg_sq = self.master, self.exp_avg, self.exp_avg_sq
         self.allocate(placement, exp_avg.dtype, arena)
         self.master.copy_(master)
@@ -223,6 +246,7 @@ class ParamSlot:
         else:
             self.master.copy_(flat(like))
         self.step = int(step)
-        flat(self.param.data).copy_(self.master)
+        # A streamed weight is written to its host copy; the caller drops a resident device copy.
+        (self.out_host if self.streamed else flat(self.param.data)).copy_(self.master)
         self.note_weight()
         ParamSlot.buffer_changes += 1

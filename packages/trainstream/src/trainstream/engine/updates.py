@@ -338,7 +338,8 @@ class HostUpdater:
         try:
             for slot in slots:
                 self._channel.host_wait(slot.grad_token)
-                self._channel.host_wait(slot.upload_event)  # the previous upload read out_host: it must be done
+                # The previous upload (a streamed weight: the newest fetch of its block) reads out_host: it must be done.
+                self._channel.host_wait(slot.upload_event)
             self._adamw(slots)
             applied = True
         except BaseException as failure:  # reported once, at the next sync point
@@ -350,7 +351,7 @@ class HostUpdater:
             return
         for sequence, slot in batch:
             failed = error
-            if applied:
+            if applied and not slot.streamed:  # a streamed weight's next fetch carries it (slots.py, invariant 7)
                 try:
                     slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
                 except BaseException as failure:

@@ -1,4 +1,10 @@
-"""WeightStreamer: the frozen weights of chosen blocks live in host memory and visit the GPU.
+"""WeightStreamer: the weights of chosen blocks live in host memory and visit the GPU.
+
+Frozen weights always stream with their block. Trained weights stream too when they are most of
+the block's bytes (a full fine-tune; LoRA adapters stay in VRAM): their optimizer state is on the
+host, the host AdamW writes each rounded update straight into the block's host copy, and the
+block's next fetch carries it, so a streamed trained weight is never uploaded on its own
+(``engine/slots.py``, invariant 7).
 
 Each streamed block's frozen parameters are packed into one page-locked host buffer (beyond the
 page-lock budget, pageable), and the block has one device buffer whose *storage* exists only
@@ -27,7 +33,14 @@ Invariants:
      last use, so before a fetch allocates, the host waits for all but ``_FREEING_SLACK`` of the
      evictions still pending on the GPU. (Unbounded, the host queues the copies of the whole
      stack; under a VRAM cap the allocator then frees its cache and synchronizes, mid-step.)
-  5. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
+  5. A block with trained weights is *stale* from the moment an update of one of them is queued until
+     its next fetch, which first waits for those updates (``update_queued``, ``wait_applied``). A stale
+     block's device copy is dropped at ``step()`` (``drop_stale``) and, outside backward, when it is
+     used again; never during backward, whose later nodes still read the weights the forward used.
+     The host never writes a host copy while a copy from it is in flight: the worker waits for the
+     block's newest fetch (the slot's ``upload_event``). A weight written in place while resident (a
+     user edit: its version moves) is copied back to the host before the device copy is dropped.
+  6. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
      blocks are one shared-memory region per machine (``shared_host``), filled once by the machine's
      lowest rank and never written by a fetch; each process page-locks its mapping for itself.
      (``load_state_dict`` writes it from every rank: the same values, as every rank loads the same state.)
@@ -43,7 +56,7 @@ import ts_pinned
 from ..engine.channel import channel_for
 from ..engine.hooks import EngineHook
 
-__all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of"]
+__all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "trained_params_of"]
 
 
 def _tensors(value, depth: int = 0):
@@ -97,6 +110,30 @@ def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str,
     return out
 
 
+def trained_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(owner module, name, parameter) of each trained parameter of `block`, each once."""
+    seen, out = set(), []
+    for module in block.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((module, name, p))
+    return out
+
+
+def _nbytes(params) -> int:
+    return sum(t.numel() * t.element_size() for _m, _n, t in params)
+
+
+def streams_trained(block: torch.nn.Module, trained: bool | None) -> bool:
+    """Whether a streamed block's trained weights stream with it: `trained`, or (None) when they are most
+    of its bytes, as in a full fine-tune (small adapters stay in VRAM, their updates fused on the GPU)."""
+    if trained is not None:
+        return trained and bool(trained_params_of(block))
+    mine = trained_params_of(block)
+    return bool(mine) and _nbytes(mine) >= _nbytes(frozen_params_of(block))
+
+
 class HostSource:
     """A block's bytes from host memory: a page-locked buffer in one async copy, a pageable one
     (beyond the page-lock budget) through ts-pinned's staging ring, which all cores fill while the
@@ -142,11 +179,15 @@ class PeerSource:
 
 
 class _Block:
-    __slots__ = ("device", "host", "index", "nbytes", "offsets", "params", "pinned", "ready", "used")
+    __slots__ = ("device", "host", "index", "nbytes", "offsets", "params", "pinned", "ready", "slots", "trained",
+                 "used", "versions")
 
-    def __init__(self, index: int, params):
+    def __init__(self, index: int, params, trained: int = 0):
         self.index = index
-        self.params = params  # [(module, name, param)]
+        self.params = params  # [(module, name, param)]: the frozen ones, then the `trained` last ones
+        self.trained = trained
+        self.slots = []  # the engine's slots of the trained weights (bind_updates)
+        self.versions = []  # the trained weights' versions when fetched (invariant 5: edits while resident)
         self.offsets, offset = [], 0
         for _m, _n, p in params:
             self.offsets.append(offset)
@@ -170,10 +211,12 @@ class WeightStreamer:
 
     def __init__(self, blocks: list[torch.nn.Module], streamed, *, device: torch.device, prefetch_depth: int = 1,
                  arena: ts_pinned.PinnedArena | None = None, shared: bool | None = None,
-                 timeout: float | None = None):
-        """``shared``: the host copies of a data-parallel run are one per machine (invariant 5); None: when
+                 timeout: float | None = None, trained: bool | None = False):
+        """``shared``: the host copies of a data-parallel run are one per machine (invariant 6); None: when
         an initialized process group has more than one rank (as ``distributed=None``), False: never.
-        ``timeout``: of its set-up's collectives (default ``trainstream.distributed.DEFAULT_TIMEOUT_S``)."""
+        ``timeout``: of its set-up's collectives (default ``trainstream.distributed.DEFAULT_TIMEOUT_S``).
+        ``trained``: whether the blocks' trained weights stream too (None: where they are most of a
+        block's bytes, ``streams_trained``); they then need ``bind_updates`` before training."""
         if shared is not None and not isinstance(shared, bool):
             raise ValueError(f"shared={shared!r} is not valid; use None, True or False")
         self.blocks = list(blocks)
@@ -181,7 +224,10 @@ class WeightStreamer:
         self.prefetch_depth = prefetch_depth
         self.arena = arena or ts_pinned.default_arena()
         self.channel = channel_for(self.device)
-        blocks_ = {i: _Block(i, frozen_params_of(self.blocks[i])) for i in sorted(set(streamed))}
+        blocks_ = {}
+        for i in sorted(set(streamed)):
+            extra = trained_params_of(self.blocks[i]) if streams_trained(self.blocks[i], trained) else []
+            blocks_[i] = _Block(i, frozen_params_of(self.blocks[i]) + extra, trained=len(extra))
         self.streamed = {i: b for i, b in blocks_.items() if b.params}
         self.capacity = self.prefetch_depth + 2  # resident blocks at most
         self._modules: dict[int, tuple[torch.nn.Module, int]] = {}
@@ -196,15 +242,70 @@ class WeightStreamer:
         self.source: HostSource | PeerSource = HostSource()  # where fetched bytes come from
         self._qweights: dict[int, tuple] = {}  # id(QuantLinear) -> (module, its streamed QuantizedTensor)
         self.shared, self.timeout = shared, timeout
-        self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 5)
+        self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 6)
         self.shared_message = None  # what prepare() decided about sharing, for the event log
-        self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0}
+        self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0,
+                         "update_waits": 0, "written_back": 0}
+        # Trained weights (invariant 5): the newest queued update per block, the blocks whose device copy
+        # is older than their host copy, and how to wait for updates (the engine's, from bind_updates).
+        self._pending: dict[int, int] = {}
+        self._stale: set[int] = set()
+        self.wait_applied = None
 
     # ---- setting up -----------------------------------------------------------------
 
     @property
     def param_ids(self) -> set[int]:
         return {id(p) for b in self.streamed.values() for _m, _n, p in b.params}
+
+    @property
+    def trained_blocks(self) -> list[int]:
+        """The streamed blocks whose trained weights stream with them."""
+        return [i for i, b in self.streamed.items() if b.trained]
+
+    def trained_bytes(self) -> int:
+        return sum(_nbytes(b.params[len(b.params) - b.trained:]) for b in self.streamed.values() if b.trained)
+
+    def block_of(self, param: torch.Tensor) -> int | None:
+        """The streamed block holding `param`, or None."""
+        for i, b in self.streamed.items():
+            if any(p is param for _m, _n, p in b.params):
+                return i
+        return None
+
+    def host_copy(self, param: torch.Tensor) -> torch.Tensor:
+        """The flat host copy of a streamed parameter (where its updates are written)."""
+        for b in self.streamed.values():
+            for (_m, _n, p), offset in zip(b.params, b.offsets):
+                if p is param:
+                    return self._view(b.host, offset, p).view(-1)
+        raise KeyError("not a streamed parameter")
+
+    def bind_updates(self, slots, wait_applied) -> None:
+        """The engine's slots of the streamed trained weights, and its wait for queued host updates
+        (``HostUpdater.wait_applied``). Before the first fetch."""
+        by_param = {id(s.param): s for s in slots}
+        for b in self.streamed.values():
+            b.slots = [by_param[id(p)] for _m, _n, p in b.params[len(b.params) - b.trained:] if id(p) in by_param]
+        self.wait_applied = wait_applied
+
+    def update_queued(self, index: int, sequence: int) -> None:
+        """An update of a weight of block `index` was queued (engine, main thread): invariant 5."""
+        self._pending[index] = sequence
+        self._stale.add(index)
+
+    def _wait_updates(self, index: int) -> None:
+        sequence = self._pending.pop(index, None)
+        if sequence is not None:
+            self.counters["update_waits"] += 1
+            self.wait_applied(sequence)
+        self._stale.discard(index)
+
+    def drop_stale(self) -> None:
+        """step(): the device copies older than their host copies are dropped (invariant 5), so reads
+        after step() see the host copies the updates write."""
+        for index in [i for i in self._lru if i in self._stale]:
+            self._evict(index)
 
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.streamed.values())
@@ -249,7 +350,7 @@ class WeightStreamer:
     def prepare(self) -> None:
         """Copies each streamed block's frozen weights into one host buffer; the parameters then
         point at their host copies (the old storage is released where nothing else holds it).
-        Collective under data parallel (invariant 5)."""
+        Collective under data parallel (invariant 6)."""
         for b in self.streamed.values():
             for module, name, _p in b.params:
                 if name == "qweight.data":  # what after_load() gives back to the module
@@ -332,14 +433,18 @@ class WeightStreamer:
 
     def _fetch(self, index: int) -> None:
         if index in self._lru:
-            self._lru.move_to_end(index)
-            return
+            if index not in self._stale or torch._C._current_graph_task_id() >= 0:  # never in backward: inv. 5
+                self._lru.move_to_end(index)
+                return
+            self._evict(index)
         while len(self._lru) >= self.capacity:
             victim = next((i for i in self._lru if i != self._current), None)
             if victim is None:
                 break
             self._evict(victim)
         b = self.streamed[index]
+        if b.trained:
+            self._wait_updates(index)  # the host copy holds every queued update before it is read
         if self.channel.is_cuda:
             self._wait_for_freed()
             h2d = self.channel.h2d
@@ -353,6 +458,9 @@ class WeightStreamer:
             self.source.copy(index, b.host, False, b.device, None)
             b.ready = None
         b.used = False
+        for slot in b.slots:
+            slot.upload_event = b.ready  # the worker's next write of this host copy waits for this copy
+        b.versions = [p._version for _m, _n, p in b.params[len(b.params) - b.trained:]]
         self._point(b, device=True)
         self.channel.stats.count("h2d", b.nbytes)
         self._lru[index] = None
@@ -360,8 +468,23 @@ class WeightStreamer:
         self.counters["fetches"] += 1
         self.counters["h2d_bytes"] += b.nbytes
 
+    def _write_back_edits(self, b: _Block) -> None:
+        """Invariant 5: trained weights written in place while resident go back to the host copy."""
+        first = len(b.params) - b.trained
+        seen = {id(s.param): s.weight_version for s in b.slots}  # an edit the engine followed is in its update
+        edited = [(p, offset) for (_m, _n, p), offset, version in zip(b.params[first:], b.offsets[first:], b.versions)
+                  if p._version != version and seen.get(id(p)) != p._version]
+        if not edited:
+            return
+        self._wait_updates(b.index)  # an update still queued must not land on top of the edit
+        for p, offset in edited:
+            self._view(b.host, offset, p).copy_(p.detach())  # p is the device view; blocking copy
+            self.counters["written_back"] += 1
+
     def _evict(self, index: int) -> None:
         b = self.streamed[index]
+        if b.trained:
+            self._write_back_edits(b)
         if self.channel.is_cuda and not b.used:
             # Fetched ahead but never used: the compute stream never saw it; the copy must finish.
             torch.cuda.current_stream(self.device).wait_event(b.ready)
@@ -500,6 +623,7 @@ class WeightStreamer:
         resident = sum(self.streamed[i].nbytes for i in self._lru)
         return {**self.counters, **self.source.stats(), "source": self.source.kind,
                 "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
+                "trained_blocks": self.trained_blocks, "trained_bytes": self.trained_bytes(),
                 "shared_host_bytes": self.region.nbytes if self.region is not None else 0,
                 "private_host_bytes": self.private_host_bytes(),
                 "host_owner": self.region is None or self.region.leader,
