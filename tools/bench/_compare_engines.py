@@ -43,9 +43,12 @@ def _shape(size: str) -> dict:
     if size in SHAPES:
         return SHAPES[size]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "packages", "trainstream", "src"))
-    from trainstream.cli import SIZES
+    from trainstream.cli import PLAN_SIZES, SIZES
 
-    return SIZES[size]
+    if size in SIZES:
+        return SIZES[size]
+    # Qwen2.5's published 3B-32B shapes (trainstream plan --size), untied as the bases built here are.
+    return {k: v for k, v in PLAN_SIZES[size].items() if k != "tie_word_embeddings"}
 
 
 def full_model(size: str, device: torch.device, dtype: torch.dtype):
@@ -211,7 +214,10 @@ def setup(engine: str, scenario: dict, device: torch.device, dtype: torch.dtype,
             if importlib.util.find_spec("deepspeed") is None:
                 raise EngineUnavailable("not installed on this machine")
             raise EngineUnavailable("installed but not wired in this script yet")
-        model = full_model(scenario["size"], device, torch.float32 if mixed else dtype)
+        if scenario.get("host") and engine.startswith("trainstream"):  # all trainable, in host memory
+            model = lora_base(scenario["size"], device=device, dtype=dtype, host=True)
+        else:
+            model = full_model(scenario["size"], device, torch.float32 if mixed else dtype)
         _built(info, device, start)
         if engine.startswith("stock"):
             return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)

@@ -6,6 +6,8 @@ the peak VRAM from the end of the model build on, and a lower bound beside each 
 Scenarios (random init; VRAM capped with set_per_process_memory_fraction where a cap is given):
   full1.5b      Qwen2.5-1.5B shape (tied embeddings, as before), full fine-tune, 4 x 512, 24 GB cap
   full1.5b_2k   the same at 4 x 2048
+  full7b        Qwen2.5-7B shape (untied), full fine-tune, 4 x 512, 24 GB cap, the bf16 weights built in host
+                memory (as a checkpoint loads); trainstream-auto streams what does not fit (issue 11)
   tiny          a CPU-sized full fine-tune smoke run
   lora14b       Qwen2.5-14B shape (hidden 5120, intermediate 13824, 48 layers, 40/8 heads, vocab
                 152064, untied), frozen bf16 base built block by block from the meta device, PEFT
@@ -83,6 +85,8 @@ SCENARIOS = {
     "lora14b": dict(size="14b", lora=True, batch=1, seq=512, vram_gb=24.0, steps=10),
     "lora14b_2k": dict(size="14b", lora=True, batch=1, seq=2048, vram_gb=24.0, steps=10),
     "lora_tiny": dict(size="lora-tiny", lora=True, batch=2, seq=64, vram_gb=None, steps=6),
+    # Qwen2.5-7B's shape, untied, built in host memory (as a checkpoint loads): its weights alone are 15.2 GB.
+    "full7b": dict(size="7b", batch=4, seq=512, vram_gb=24.0, steps=6, host=True),
 }
 ENGINES = engines.FULL_ENGINES
 EXTRA_ENGINES = engines.FULL_EXTRA + engines.LORA_ENGINES + engines.LORA_EXTRA
@@ -235,9 +239,12 @@ def _lower_bound(r: dict, gpu: tuple[str, float] | None, link: float, adamw_rate
     mapped_values = placements.get("mapped", {}).get("values", 0)
     per_value = r.get("trainable_bytes_per_value") or 2
     paged_down, paged_up = engines.activation_link_bytes(r.get("activations"), len(r.get("steps_s") or []))
-    streamed = (r.get("weights") or {}).get("load_bytes") or 0
+    weights = r.get("weights") or {}
+    streamed = weights.get("load_bytes") or 0
+    # A full fine-tune's streamed trained weights come back in their blocks' fetches (load_bytes), not as uploads.
+    fetched = (weights.get("streaming") or {}).get("trained_bytes") or 0
     down = host_values * per_value + mapped_values * 12  # gradients leave the GPU in backward
-    up = host_values * per_value + mapped_values * 12 + streamed  # weights come back
+    up = host_values * per_value - fetched + mapped_values * 12 + streamed  # weights come back
     # Pages leave during forward and come back during backward: the two phases follow each other,
     # so page-outs add to the rest; page-ins share backward with the gradients (the other direction).
     link_s = (paged_down + max(down, up + paged_up)) / link

@@ -44,13 +44,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "packages", "trainstream", "src"))
 import _compare_engines as engines  # noqa: E402
-from trainstream.cli import PLAN_SIZES  # noqa: E402
 
 GB = 1e9
 GiB = float(1 << 30)
-# Untied shapes for bases built from the meta device (compare's builder reads engines.SHAPES).
-engines.SHAPES.setdefault("7b", {k: v for k, v in PLAN_SIZES["7b"].items() if k != "tie_word_embeddings"})
-engines.SHAPES.setdefault("32b", {k: v for k, v in PLAN_SIZES["32b"].items() if k != "tie_word_embeddings"})
 
 SCENARIOS = {
     "full1.5b": dict(size="1.5b", batch=4, seq=512, steps=8),

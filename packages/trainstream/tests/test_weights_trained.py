@@ -79,7 +79,7 @@ def test_lora_adapters_of_streamed_blocks_stay_resident():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    model, opt = trainstream.wrap(peft.get_peft_model(tiny_llama(), config), lr=1e-3, param_offload=True)
+    model, _opt = trainstream.wrap(peft.get_peft_model(tiny_llama(), config), lr=1e-3, param_offload=True)
     assert _trained_streamed(model) == []
     assert not any(s.streamed for s in model._trainstream_session.engine.slots)
     trainstream.unwrap(model)
