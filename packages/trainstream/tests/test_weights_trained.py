@@ -152,3 +152,17 @@ def test_streamed_trained_weights_are_refused_where_they_cannot_train(monkeypatc
         trainstream.wrap(model, lr=1e-3, param_offload=True)
     assert not hasattr(model, "_trainstream_session")
     assert all(torch.equal(p, value) and p.data.data_ptr() == ptr for p, value, ptr in before)
+
+
+def test_a_weight_streamed_as_frozen_that_is_unfrozen_is_refused_clearly():
+    model = Stack()
+    for layer in model.layers:
+        layer.up.weight.requires_grad_(False)
+        layer.down.weight.requires_grad_(False)
+    # The frozen weights are in the optimizer too (as with AdamW(model.parameters())): skipped until unfrozen.
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), param_offload=True)
+    _run(model, opt, steps=1)
+    model.layers[2].up.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="streams from host memory as a frozen weight"):
+        model(torch.randn(2, 8, 32))
+    trainstream.unwrap(model)

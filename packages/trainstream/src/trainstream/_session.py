@@ -127,7 +127,7 @@ class TrainStreamSession:
                                    seed=options.seed, guard_params=options.guard_params, placement=initial,
                                    distributed=options.distributed)
         try:
-            if self.weights is not None and self.weights.trained_blocks:
+            if self.weights is not None:
                 self._bind_streamed_slots(slots)
             for slot in trained:
                 self.engine.activate(slot)
@@ -171,11 +171,14 @@ class TrainStreamSession:
         """Trained weights that stream with their blocks: their state stays on the host (slots.py,
         invariant 7) and the streamer hears of their updates (weights.py, invariant 5)."""
         weights = self.weights
-        streamed = {id(p): i for i in weights.trained_blocks for _m, _n, p in weights.streamed[i].params}
+        streamed = {id(p): i for i in weights.trained_blocks for _m, _n, p in weights.streamed[i].params
+                    if p.requires_grad}
         for slot in slots:
             slot.streamed_block = streamed.get(id(slot.param))
-        self.engine.streamer = weights
-        weights.bind_updates(slots, self.engine.host.wait_applied)
+        self.engine.frozen_streamed = weights.param_ids - set(streamed)
+        if streamed:
+            self.engine.streamer = weights
+            weights.bind_updates(slots, self.engine.host.wait_applied)
 
     def _before_load(self, state_dict: dict, prefix: str) -> None:
         if self.weights is not None:

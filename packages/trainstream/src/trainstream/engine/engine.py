@@ -93,6 +93,7 @@ class UpdateEngine:
         # Streamed slots (slots.py, invariant 7): set by the session to its WeightStreamer, which gives each
         # its host copy (``host_copy``) and hears of each queued update (``update_queued``).
         self.streamer = None
+        self.frozen_streamed: set[int] = set()  # ids of weights streamed as frozen: they cannot start training
 
     @property
     def active(self) -> list[ParamSlot]:
@@ -132,6 +133,10 @@ class UpdateEngine:
     def activate_unfrozen(self) -> None:
         """Parameters frozen at wrap() that have since been unfrozen start training (as torch's would)."""
         for slot in [s for s in self._dormant if s.param.requires_grad and s.owned]:
+            if id(slot.param) in self.frozen_streamed:
+                raise RuntimeError(f"{slot.label} streams from host memory as a frozen weight (param_offload) and "
+                                   f"was unfrozen: its block's copies are not written by updates. unwrap() the model "
+                                   f"and wrap() it again to train it")
             self.activate(slot)
             self.events.add("optimizer", f"{slot.label} is trainable now: its optimizer state was created")
 
