@@ -223,7 +223,7 @@ def setup(engine: str, scenario: dict, device: torch.device, dtype: torch.dtype,
             return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
         mode = engine.split("-")[1]
         kwargs = dict(optimizer_mode=mode, offload=True if mode != "auto" else "auto",
-                      guard_params=not engine.endswith("-noguard"))
+                      guard_params=not engine.endswith("-noguard"), device=device)  # a host-built model moves
         return _wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-5), kwargs, wrap_options, info)
 
     import peft
