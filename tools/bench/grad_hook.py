@@ -4,9 +4,10 @@ backward for every host-placed tensor, so its cost adds to every step; this time
 around it), which the noisy whole-step numbers of host_overhead.py cannot resolve.
 
     python tools/bench/grad_hook.py                  # 48 blocks, 20 steps after 5, 3 runs
-    python tools/bench/grad_hook.py --check-every-call   # hyper-parameters checked in every call (no HyperCache)
 
-Runs alternate between the two ways within one process, so the machine's load moves both alike.
+(docs/results/grad-hook-cpu-2026-12-02.log compared a cache of the hook's checked hyper-parameters against
+checking them in every call, with an option of this script at commit 0286621: no measurable difference, so the
+cache was removed.)
 """
 
 from __future__ import annotations
@@ -24,12 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import host_overhead
 
 
-def hook_times(blocks: int, width: int, steps: int, warmup: int, check_every_call: bool = False) -> list[float]:
-    """Mean microseconds per hook call in each step after `warmup`. `check_every_call`: the engine's
-    HyperCache is bypassed (hyper_of in every call, as before it existed)."""
+def hook_times(blocks: int, width: int, steps: int, warmup: int) -> list[float]:
+    """Mean microseconds per hook call in each step after `warmup`."""
     import trainstream
     from trainstream.engine.engine import UpdateEngine
-    from trainstream.engine.updates import hyper_of
 
     spent, calls = [0.0], [0]
     original = UpdateEngine._on_grad
@@ -43,8 +42,6 @@ def hook_times(blocks: int, width: int, steps: int, warmup: int, check_every_cal
     UpdateEngine._on_grad = timed
     try:
         model, opt = trainstream.wrap(host_overhead.build(blocks, width), lr=1e-3)
-        if check_every_call:
-            model._trainstream_session.engine._hypers.get = hyper_of
         batch = torch.randn(4, width)
         per_step = []
         for step in range(warmup + steps):
@@ -67,8 +64,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--check-every-call", action="store_true",
-                        help="also time the hook with its hyper-parameters checked in every call (no HyperCache)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import trainstream
@@ -77,18 +72,12 @@ def main() -> None:
           f"{os.path.dirname(trainstream.__file__)}")
     print(f"{args.blocks} blocks x {host_overhead.PROJECTIONS} projections x 2: "
           f"{args.blocks * host_overhead.PROJECTIONS * 2} trained tensors; {args.steps} steps after {args.warmup}")
-    ways = [False, True] if args.check_every_call else [False]
-    medians: dict[bool, list[float]] = {way: [] for way in ways}
+    medians = []
     for run in range(args.runs):
-        for way in ways:
-            times = hook_times(args.blocks, args.width, args.steps, args.warmup, check_every_call=way)
-            medians[way].append(statistics.median(times))
-            label = "checked every call" if way else "HyperCache"
-            print(f"run {run + 1}, {label}: gradient hook median {medians[way][-1]:.1f} us per tensor, "
-                  f"best step {min(times):.1f} us")
-    for way in ways:
-        label = "checked every call" if way else "HyperCache"
-        print(f"{label}: median of the runs' medians {statistics.median(medians[way]):.1f} us per tensor")
+        times = hook_times(args.blocks, args.width, args.steps, args.warmup)
+        medians.append(statistics.median(times))
+        print(f"run {run + 1}: gradient hook median {medians[-1]:.1f} us per tensor, best step {min(times):.1f} us")
+    print(f"median of the runs' medians {statistics.median(medians):.1f} us per tensor")
 
 
 if __name__ == "__main__":

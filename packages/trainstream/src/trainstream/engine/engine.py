@@ -30,7 +30,6 @@ from .slots import ParamSlot, SlotState, grad_in_memory_order
 from .updates import (
     DeviceBatch,
     HostUpdater,
-    HyperCache,
     device_batches,
     group_hypers,
     hyper_of,
@@ -91,7 +90,6 @@ class UpdateEngine:
         self._held_grads: tuple | None = None
         self._dormant = [s for s in slots if s.state is S.DORMANT]
         self._grad_hook = EngineHook(self._on_grad)
-        self._hypers = HyperCache()  # the hook's hyper-parameters, checked once per distinct set of values
         # Streamed slots (slots.py, invariant 7): set by the session to its WeightStreamer, which gives each
         # its host copy (``host_copy``) and hears of each queued update (``update_queued``).
         self.streamer = None
@@ -168,7 +166,7 @@ class UpdateEngine:
             raise ValueError(f"{slot.label} has a {grad.layout} gradient; trainstream trains dense gradients only "
                              f"(use sparse=False in the embedding)")
         immediate = self.max_grad_norm is None
-        hyper = self._hypers.get(slot, 1.0, self.seed) if immediate else None
+        hyper = hyper_of(slot, 1.0, self.seed) if immediate else None
         self._follow_user_edit(slot)
         on_host = slot.placement == "host"
         src = grad_in_memory_order(grad.detach(), slot.param) if on_host or immediate else None

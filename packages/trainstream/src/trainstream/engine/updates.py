@@ -23,7 +23,7 @@ import ts_adamw
 from .channel import UploadMarks
 from .slots import ParamSlot, SlotState, flat
 
-__all__ = ["DeviceBatch", "HostUpdater", "Hyper", "HyperCache", "device_batches", "group_hypers", "hyper_of", "launch_batches",
+__all__ = ["DeviceBatch", "HostUpdater", "Hyper", "device_batches", "group_hypers", "hyper_of", "launch_batches",
            "launch_device_update", "launch_device_updates"]
 
 
@@ -76,36 +76,6 @@ def hyper_of(slot: ParamSlot, grad_scale: float, seed: int) -> Hyper:
         # Reproducible across runs; the parameter's own stream is its key (its index) under this seed.
         seed=(seed * 1_000_003) & 0xFFFFFFFF,
     )
-
-
-class HyperCache:
-    """``hyper_of`` for the gradient hook, checked once per distinct set of values (issue 13: the checks
-    cost about a fifth of the hook). Keyed by the values and their types (``True == 1`` must not reuse a
-    checked ``1``), not by the group: a Hyper holds nothing else. A value that cannot be hashed is
-    checked every time."""
-
-    LIMIT = 4096  # distinct value sets kept (a scheduler makes one per step); then it starts again
-
-    def __init__(self) -> None:
-        self._memo: dict[tuple, Hyper] = {}
-
-    def get(self, slot: ParamSlot, grad_scale: float, seed: int) -> Hyper:
-        g = slot.group
-        betas = g.get("betas")
-        values = (g.get("lr"), tuple(betas) if isinstance(betas, (tuple, list)) else betas, g.get("eps"),
-                  g.get("weight_decay"), g.get("maximize", False), grad_scale, seed)
-        try:
-            key = (values, tuple(map(type, values)), tuple(map(type, values[1])) if isinstance(values[1], tuple)
-                   else None)
-            hyper = self._memo.get(key)
-        except TypeError:  # unhashable: checked (and refused) by hyper_of
-            return hyper_of(slot, grad_scale, seed)
-        if hyper is None:
-            hyper = hyper_of(slot, grad_scale, seed)
-            if len(self._memo) >= self.LIMIT:
-                self._memo.clear()
-            self._memo[key] = hyper
-        return hyper
 
 
 def group_hypers(slots: list[ParamSlot], grad_scale: float, seed: int) -> dict[int, Hyper]:
