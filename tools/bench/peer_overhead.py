@@ -94,6 +94,9 @@ def worker(rank: int, world: int, port: int, out: str, args) -> None:
         runs = [train(False, args, device), train("auto", args, device)]
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(runs, f)
+        # Both ranks tear down together: rank 0 holds the TCP store that rank 1's gloo threads still use
+        # (a rank 1 aborting at exit, "terminate called without an active exception", was seen once in CI).
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
