@@ -171,8 +171,7 @@ class TrainStreamSession:
         """Trained weights that stream with their blocks: their state stays on the host (slots.py,
         invariant 7) and the streamer hears of their updates (weights.py, invariant 5)."""
         weights = self.weights
-        streamed = {id(p): i for i in weights.trained_blocks for _m, _n, p in weights.streamed[i].params
-                    if p.requires_grad}
+        streamed = {id(p): i for i in weights.trained_blocks for _m, _n, p in weights.streamed[i].trained_params}
         for slot in slots:
             slot.streamed_block = streamed.get(id(slot.param))
         self.engine.frozen_streamed = weights.param_ids - set(streamed)

@@ -156,9 +156,18 @@ class _Block:
         self.ready = None  # event after its copy
         self.used = False  # handed to the compute stream since the fetch
 
+    @property
+    def trained_params(self):
+        """(module, name, param) of the trained weights streaming with the block (the last `trained`)."""
+        return self.params[len(self.params) - self.trained:]
+
+    @property
+    def trained_offsets(self) -> list[int]:
+        return self.offsets[len(self.params) - self.trained:]
+
 
 class WeightStreamer:
-    """Streams the frozen weights of ``blocks[i]`` for each i in ``streamed``.
+    """Streams the weights of ``blocks[i]`` for each i in ``streamed`` (frozen ones; trained ones per ``trained``).
 
     ``prepare()`` (before the model moves to the device) copies them into host buffers and points
     the parameters there; ``attach()`` creates the device buffers (without storage) and installs
@@ -221,14 +230,7 @@ class WeightStreamer:
         return [i for i, b in self.streamed.items() if b.trained]
 
     def trained_bytes(self) -> int:
-        return sum(_nbytes(b.params[len(b.params) - b.trained:]) for b in self.streamed.values() if b.trained)
-
-    def block_of(self, param: torch.Tensor) -> int | None:
-        """The streamed block holding `param`, or None."""
-        for i, b in self.streamed.items():
-            if any(p is param for _m, _n, p in b.params):
-                return i
-        return None
+        return sum(_nbytes(b.trained_params) for b in self.streamed.values() if b.trained)
 
     def host_copy(self, param: torch.Tensor) -> torch.Tensor:
         """The flat host copy of a streamed parameter (where its updates are written)."""
@@ -243,7 +245,7 @@ class WeightStreamer:
         (``HostUpdater.wait_applied``). Before the first fetch."""
         by_param = {id(s.param): s for s in slots}
         for b in self.streamed.values():
-            b.slots = [by_param[id(p)] for _m, _n, p in b.params[len(b.params) - b.trained:] if id(p) in by_param]
+            b.slots = [by_param[id(p)] for _m, _n, p in b.trained_params if id(p) in by_param]
         self.wait_applied = wait_applied
 
     def update_queued(self, index: int, sequence: int) -> None:
@@ -417,7 +419,7 @@ class WeightStreamer:
         b.used = False
         for slot in b.slots:
             slot.upload_event = b.ready  # the worker's next write of this host copy waits for this copy
-        b.versions = [p._version for _m, _n, p in b.params[len(b.params) - b.trained:]]
+        b.versions = [p._version for _m, _n, p in b.trained_params]
         self._point(b, device=True)
         self.channel.stats.count("h2d", b.nbytes)
         self._lru[index] = None
@@ -427,9 +429,8 @@ class WeightStreamer:
 
     def _write_back_edits(self, b: _Block) -> None:
         """Invariant 5: trained weights written in place while resident go back to the host copy."""
-        first = len(b.params) - b.trained
         seen = {id(s.param): s.weight_version for s in b.slots}  # an edit the engine followed is in its update
-        edited = [(p, offset) for (_m, _n, p), offset, version in zip(b.params[first:], b.offsets[first:], b.versions)
+        edited = [(p, offset) for (_m, _n, p), offset, version in zip(b.trained_params, b.trained_offsets, b.versions)
                   if p._version != version and seen.get(id(p)) != p._version]
         if not edited:
             return
