@@ -64,19 +64,36 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _gpu_busy_per_step(prof) -> list[float]:
-    """Seconds of GPU activity (kernels, copies, memsets) inside each train_step window; the GPU is
-    synchronized at every step's end, so a step's work lies between its start and the next one's."""
+def _kind(name: str) -> str:
+    """The GPU activity class of a profiler event: "h2d" / "d2h" copies, else "kernel" (kernels, memsets,
+    device-to-device copies: work that occupies the GPU rather than the link)."""
+    if name.startswith("Memcpy HtoD"):
+        return "h2d"
+    if name.startswith("Memcpy DtoH"):
+        return "d2h"
+    return "kernel"
+
+
+def _gpu_busy_per_step(prof) -> list[dict]:
+    """Per train_step window, seconds of GPU activity: ``busy`` (kernels, copies, memsets: their union),
+    ``kernel``, ``h2d``, ``d2h`` (each class's union) and ``h2d_alone`` (host-to-device copying while no
+    kernel runs: the compute stream waiting on the link). The GPU is synchronized at every step's end,
+    so a step's work lies between its start and the next one's."""
     events = prof.events()
     steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "train_step")
-    device_events = [(e.time_range.start, e.time_range.end) for e in events
+    device_events = [(e.time_range.start, e.time_range.end, _kind(e.name)) for e in events
                      if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = []
+    out = []
     for i, (start, _) in enumerate(steps):
         stop = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
-        busy.append(_union_us([(max(a, start), min(b, stop)) for a, b in device_events if a < stop and b > start])
-                    / 1e6)
-    return busy
+        mine = [(max(a, start), min(b, stop), k) for a, b, k in device_events if a < stop and b > start]
+        row = {"busy": _union_us([(a, b) for a, b, _k in mine]) / 1e6}
+        for kind in ("kernel", "h2d", "d2h"):
+            row[kind] = _union_us([(a, b) for a, b, k in mine if k == kind]) / 1e6
+        both = _union_us([(a, b) for a, b, k in mine if k in ("kernel", "h2d")]) / 1e6
+        row["h2d_alone"] = both - row["kernel"]
+        out.append(row)
+    return out
 
 
 def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, warmup: int, top: int,
@@ -104,12 +121,15 @@ def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, 
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     rows = []
+    streamed_before = _streamed_h2d_bytes(model)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             ids = batch()
             _sync(device)
             rows.append(_step(model, opt, ids, device))
     busy = _gpu_busy_per_step(prof) if device.type == "cuda" else [None] * len(rows)
+    streamed = _streamed_h2d_bytes(model)
+    streamed_per_step = (streamed - streamed_before) / len(rows) if streamed is not None else None
     if trace:
         prof.export_chrome_trace(trace)
     averages = prof.key_averages()
@@ -125,10 +145,21 @@ def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, 
         import trainstream
         events = [line[:200] for line in trainstream.memory_report(model).get("events", [])][-12:]
     return {"python_top": python_top, "events": events,"engine": engine, "outcome": "ok", "device": str(device),
-            "steps": [{"host_s": h, "wall_s": w, "gpu_busy_s": b, "loss": loss}
+            "streamed_h2d_bytes_per_step": streamed_per_step,
+            "steps": [{"host_s": h, "wall_s": w, "gpu_busy_s": b and b["busy"], "gpu": b, "loss": loss}
                       for (h, w, loss), b in zip(rows, busy)],
             "unprofiled": [{"host_s": h, "wall_s": w} for h, w, _ in plain],
             "top_ops": top_ops}
+
+
+def _streamed_h2d_bytes(model) -> int | None:
+    """Bytes the weight streamer has copied host-to-device so far (None without streamed weights)."""
+    if not hasattr(model, "_trainstream_session"):
+        return None
+    import trainstream
+    params = trainstream.memory_report(model).get("params") or {}
+    streaming = params.get("streaming") or {}
+    return streaming.get("h2d_bytes")
 
 
 def _python_profile(model, opt, batch, device, steps: int, top: int) -> list[str]:
@@ -156,12 +187,19 @@ def report(result: dict) -> None:
         print(f"\n== {name}: {result.get('outcome')}")
         return
     print(f"\n== {name} on {result['device']} (per step; ms)")
-    print(f"{'step':>4s} {'host':>9s} {'wall':>9s} {'gpu busy':>9s} {'busy/wall':>9s}")
+    print(f"{'step':>4s} {'host':>9s} {'wall':>9s} {'gpu busy':>9s} {'busy/wall':>9s} {'kernels':>9s} {'h2d':>9s} "
+          f"{'d2h':>9s} {'h2d alone':>9s}")
     for i, s in enumerate(result["steps"]):
-        b = s["gpu_busy_s"]
-        busy = "n/a" if b is None else f"{b * 1e3:9.1f}"
-        share = "n/a" if b is None else f"{b / s['wall_s']:9.0%}"
-        print(f"{i:4d} {s['host_s'] * 1e3:9.1f} {s['wall_s'] * 1e3:9.1f} {busy:>9s} {share:>9s}")
+        g = s.get("gpu") or {}
+        cells = ["n/a"] * 6 if not g else [f"{g['busy'] * 1e3:.1f}", f"{g['busy'] / s['wall_s']:.0%}"] + [
+            f"{g[k] * 1e3:.1f}" for k in ("kernel", "h2d", "d2h", "h2d_alone")]
+        print(f"{i:4d} {s['host_s'] * 1e3:9.1f} {s['wall_s'] * 1e3:9.1f} " + " ".join(f"{c:>9s}" for c in cells))
+    per_step = result.get("streamed_h2d_bytes_per_step")
+    h2d = [s["gpu"]["h2d"] for s in result["steps"] if s.get("gpu")]
+    if per_step and h2d:
+        busy = statistics.median(h2d)
+        print(f"streamed weights: {per_step / 1e9:.2f} GB per step; while host-to-device copies run the link "
+              f"reaches {per_step / busy / 1e9:.1f} GB/s (all h2d copies: {busy * 1e3:.1f} ms per step, median)")
     plain = result["unprofiled"]
     print(f"without the profiler: host {statistics.median(s['host_s'] for s in plain) * 1e3:.1f} ms, "
           f"wall {statistics.median(s['wall_s'] for s in plain) * 1e3:.1f} ms (medians)")
@@ -191,6 +229,8 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="chrome trace path (one engine)")
     parser.add_argument("--wrap-option", action="append", default=[], metavar="KEY=PYTHON_LITERAL")
     parser.add_argument("--py-profile", action="store_true", help="also cProfile whole steps (Python's own time)")
+    parser.add_argument("--full", action="store_true", help="a full fine-tune (engines trainstream-cpu, "
+                        "trainstream-cpu-noguard, stock-bf16, ...) instead of LoRA")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: lora-tiny, 32 tokens, few steps")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
@@ -200,7 +240,7 @@ def main() -> None:
         args.engines = args.engines or ["stock-lora", "trainstream-lora"]
     size = args.size or "14b-8"
     engine_names = args.engines or DEFAULT_ENGINES
-    scenario = dict(size=size, lora=True, batch=args.batch, seq=args.seq or (32 if args.smoke else 512),
+    scenario = dict(size=size, lora=not args.full, batch=args.batch, seq=args.seq or (32 if args.smoke else 512),
                     vram_gb=args.vram_gb)
     steps = args.steps or (2 if args.smoke else 3)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
@@ -220,6 +260,7 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--engines", engine, "--size", size,
                "--batch", str(args.batch), "--seq", str(scenario["seq"]), "--vram-gb", str(args.vram_gb),
                "--steps", str(steps), "--warmup", str(warmup), "--top", str(args.top)]
+        cmd += ["--full"] if args.full else []
         cmd += [f"--wrap-option={o}" for o in args.wrap_option]
         cmd += ["--py-profile"] if args.py_profile else []
         if args.trace and len(engine_names) == 1:
