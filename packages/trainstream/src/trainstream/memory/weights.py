@@ -56,114 +56,20 @@ import ts_pinned
 from ..engine.channel import channel_for
 from ..engine.hooks import EngineHook
 from .sources import HostSource, PeerSource
+from .streamed_block import (
+    StreamedBlock,
+    frozen_params_of,
+    nbytes_of,
+    quantized_tensors,
+    streams_trained,
+    tensors_in,
+    trained_params_of,
+)
 
 __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "trained_params_of"]
 
 
-def _tensors(value, depth: int = 0):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)) and depth < 2:
-        for v in value:
-            yield from _tensors(v, depth + 1)
-    elif isinstance(value, dict) and depth < 2:
-        for v in value.values():
-            yield from _tensors(v, depth + 1)
-
-_ALIGN = 256  # bytes: each parameter's view starts aligned for vectorized kernels
-
-
 _FREEING_SLACK = 1  # evicted buffers still in use on the GPU when a fetch allocates (invariant 4)
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _quantized_tensors(q, prefix: str):
-    """(name, tensor) of every tensor a ts-quant QuantizedTensor holds (codes, scales, nested scales)."""
-    for attr in ("data", "scales", "global_scale", "scale_offset"):
-        value = getattr(q, attr, None)
-        if isinstance(value, torch.Tensor):
-            yield f"{prefix}.{attr}", value
-        elif value is not None and hasattr(value, "scales"):  # double quantization: scales are codes too
-            yield from _quantized_tensors(value, f"{prefix}.{attr}")
-
-
-def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
-    """(owner module, name, tensor) of each frozen weight of `block`, each once: frozen parameters,
-    and the codes and scales of ts-quant ``QuantLinear`` weights (``qweight``), which stream as stored.
-    The owner module is the one whose forward reads the tensor (its pre-hook fetches the block)."""
-    from ts_quant import QuantizedTensor
-
-    seen, out = set(), []
-    for module in block.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if p is not None and not p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append((module, name, p))
-        q = module.__dict__.get("qweight")
-        if isinstance(q, QuantizedTensor):
-            for name, t in _quantized_tensors(q, "qweight"):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    out.append((module, name, t))
-    return out
-
-
-def trained_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
-    """(owner module, name, parameter) of each trained parameter of `block`, each once."""
-    seen, out = set(), []
-    for module in block.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append((module, name, p))
-    return out
-
-
-def _nbytes(params) -> int:
-    return sum(t.numel() * t.element_size() for _m, _n, t in params)
-
-
-def streams_trained(block: torch.nn.Module, trained: bool | None) -> bool:
-    """Whether a streamed block's trained weights stream with it: `trained`, or (None) when they are most
-    of its bytes, as in a full fine-tune (small adapters stay in VRAM, their updates fused on the GPU)."""
-    if trained is not None:
-        return trained and bool(trained_params_of(block))
-    mine = trained_params_of(block)
-    return bool(mine) and _nbytes(mine) >= _nbytes(frozen_params_of(block))
-
-
-class _Block:
-    __slots__ = ("device", "host", "index", "nbytes", "offsets", "params", "pinned", "ready", "slots", "trained",
-                 "used", "versions")
-
-    def __init__(self, index: int, params, trained: int = 0):
-        self.index = index
-        self.params = params  # [(module, name, param)]: the frozen ones, then the `trained` last ones
-        self.trained = trained
-        self.slots = []  # the engine's slots of the trained weights (bind_updates)
-        self.versions = []  # the trained weights' versions when fetched (invariant 5: edits while resident)
-        self.offsets, offset = [], 0
-        for _m, _n, p in params:
-            self.offsets.append(offset)
-            offset += _align(p.numel() * p.element_size())
-        self.nbytes = offset
-        self.host = None  # flat uint8 host buffer
-        self.pinned = False  # whether `host` is page-locked (else it streams through the staging ring)
-        self.device = None  # flat uint8 device buffer; storage size 0 when not resident
-        self.ready = None  # event after its copy
-        self.used = False  # handed to the compute stream since the fetch
-
-    @property
-    def trained_params(self):
-        """(module, name, param) of the trained weights streaming with the block (the last `trained`)."""
-        return self.params[len(self.params) - self.trained:]
-
-    @property
-    def trained_offsets(self) -> list[int]:
-        return self.offsets[len(self.params) - self.trained:]
 
 
 class WeightStreamer:
@@ -193,7 +99,7 @@ class WeightStreamer:
         blocks_ = {}
         for i in sorted(set(streamed)):
             extra = trained_params_of(self.blocks[i]) if streams_trained(self.blocks[i], trained) else []
-            blocks_[i] = _Block(i, frozen_params_of(self.blocks[i]) + extra, trained=len(extra))
+            blocks_[i] = StreamedBlock(i, frozen_params_of(self.blocks[i]) + extra, trained=len(extra))
         self.streamed = {i: b for i, b in blocks_.items() if b.params}
         self.capacity = self.prefetch_depth + 2  # resident blocks at most
         self._modules: dict[int, tuple[torch.nn.Module, int]] = {}
@@ -230,7 +136,7 @@ class WeightStreamer:
         return [i for i, b in self.streamed.items() if b.trained]
 
     def trained_bytes(self) -> int:
-        return sum(_nbytes(b.trained_params) for b in self.streamed.values() if b.trained)
+        return sum(nbytes_of(b.trained_params) for b in self.streamed.values() if b.trained)
 
     def host_copy(self, param: torch.Tensor) -> torch.Tensor:
         """The flat host copy of a streamed parameter (where its updates are written)."""
@@ -361,7 +267,7 @@ class WeightStreamer:
 
         def hook(_module, _args, output):
             if torch.is_grad_enabled():
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     if t.requires_grad and t.grad_fn is not None:
                         t.register_hook(on_grad)
         return hook
@@ -385,7 +291,7 @@ class WeightStreamer:
 
     # ---- resident blocks --------------------------------------------------------------------
 
-    def _point(self, b: _Block, device: bool) -> None:
+    def _point(self, b: StreamedBlock, device: bool) -> None:
         """Invariant 1: resident weights are the device copies, the others the host copies."""
         for (_m, _n, p), offset in zip(b.params, b.offsets):
             p.data = self._view(b.device if device else b.host, offset, p)
@@ -427,7 +333,7 @@ class WeightStreamer:
         self.counters["fetches"] += 1
         self.counters["h2d_bytes"] += b.nbytes
 
-    def _write_back_edits(self, b: _Block) -> None:
+    def _write_back_edits(self, b: StreamedBlock) -> None:
         """Invariant 5: trained weights written in place while resident go back to the host copy."""
         seen = {id(s.param): s.weight_version for s in b.slots}  # an edit the engine followed is in its update
         edited = [(p, offset) for (_m, _n, p), offset, version in zip(b.trained_params, b.trained_offsets, b.versions)
@@ -502,8 +408,8 @@ class WeightStreamer:
                 self._check_layout(module, streamed, QuantizedTensor.from_state_dict(state_dict[key]))
 
     def _check_layout(self, module: torch.nn.Module, streamed, loaded) -> dict:
-        ours = dict(_quantized_tensors(streamed, "qweight"))
-        new = dict(_quantized_tensors(loaded, "qweight")) if loaded is not None else {}
+        ours = dict(quantized_tensors(streamed, "qweight"))
+        new = dict(quantized_tensors(loaded, "qweight")) if loaded is not None else {}
         same = (loaded is not None and set(new) == set(ours)
                 and all(getattr(loaded, k, None) == getattr(streamed, k) for k in ("format", "shape", "block_size"))
                 and all(new[n].shape == t.shape and new[n].dtype == t.dtype for n, t in ours.items()))
@@ -528,7 +434,7 @@ class WeightStreamer:
                 for m, q in self._qweights.values():  # every streamed weight keeps its values and object
                     m.qweight = q
                 raise
-            replaced.append((module, streamed, dict(_quantized_tensors(streamed, "qweight")), new))
+            replaced.append((module, streamed, dict(quantized_tensors(streamed, "qweight")), new))
         for module, streamed, ours, new in replaced:
             for name, t in ours.items():
                 t.copy_(new[name])
