@@ -120,7 +120,7 @@ def test_wrap_streams_the_blocks_auto_chose_and_trains_like_resident(monkeypatch
         runs.append((losses, report))
         trainstream.unwrap(model)
     assert runs[0][0] == runs[1][0]
-    assert runs[1][1]["params"]["paged_blocks"] == [0, 1, 2, 3]
+    assert runs[1][1]["params"]["streaming"]["streamed_blocks"] == [0, 1, 2, 3]  # the plan at wrap(), 2048 tokens
     assert any("param_offload='auto'" in e for e in runs[1][1]["events"])
 
 

@@ -69,7 +69,9 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     if session.weights is not None:
         stats = session.weights.stats()
         steps = max(session.steps, 1)
-        report["params"].update({"paged_blocks": stats["streamed_blocks"], "host_bytes": stats["host_bytes"],
+        kept = set(stats["kept_blocks"])
+        report["params"].update({"paged_blocks": [i for i in stats["streamed_blocks"] if i not in kept],
+                                 "kept_blocks": stats["kept_blocks"], "host_bytes": stats["host_bytes"],
                                  "load_bytes": stats["h2d_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
                                  "peer_bytes": stats.get("peer_bytes", 0),
                                  "peer_blocks": stats.get("peer_blocks", 0),

@@ -70,6 +70,7 @@ class TrainStreamSession:
         self.activations = None
         self.attention = self._attention = None
         self.weights = weights  # the WeightStreamer of param_offload=, attached below
+        self.residency = None  # param_offload="auto": which streamed blocks stay (follow_tokens)
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
@@ -204,6 +205,13 @@ class TrainStreamSession:
     def _upload_bytes_per_step(self) -> int:
         """Host->device bytes the host updates upload each step (the weights of host-placed slots)."""
         return sum(s.param.numel() * s.param.element_size() for s in self.engine.active if s.placement == "host")
+
+    def follow_tokens(self, residency) -> None:
+        """param_offload='auto': the streamed blocks follow the batch's real size (memory/residency.py),
+        decided before any other hook of a forward runs."""
+        self.residency = residency
+        self._model_hook(lambda hook: self.model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True),
+                         lambda _module, args, kwargs: residency.before_forward(args, kwargs))
 
     def _model_hook(self, register, fn) -> None:
         hook = EngineHook(fn)

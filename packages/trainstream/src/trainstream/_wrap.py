@@ -18,8 +18,18 @@ from .engine import SlotState
 from .memory.activations import blocks_of
 from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
-from .memory.plan import PlanRefused, WrapPlan, describe_model, plan_wrap, vram_budget, wrap_budget
+from .memory.plan import (
+    PLAN_BATCH,
+    PLAN_SEQ,
+    PlanRefused,
+    WrapPlan,
+    describe_model,
+    plan_wrap,
+    vram_budget,
+    wrap_budget,
+)
 from .memory.quantize import choose_quantize, quantize_model
+from .memory.residency import WeightResidency
 from .memory.weights import WeightStreamer, frozen_params_of
 
 __all__ = ["unwrap", "wrap"]
@@ -75,10 +85,13 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     offload_why = None
     inputs = _plan_inputs(model, device, opts)  # the blocks, the model's facts and the budget, measured once
+    streamed_for = None  # param_offload='auto': the streamed blocks at the batch's real size (residency.py)
     if opts.param_offload == "auto":
         opts.param_offload, offload_why, implied = _auto_param_offload(model, device, opts, inputs)
         if implied is not None:
             opts.quantize = implied
+        if opts.param_offload:
+            streamed_for = _streamed_for(inputs, opts)
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     streamer = _weight_streamer(model, device, opts)
     plan = _plan(model, device, opts, streamer, inputs)  # before anything is allocated; PlanRefused when nothing fits
@@ -103,6 +116,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         session.plan = plan.to_dict()
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
+        if streamed_for is not None and session.weights.keepable():
+            session.follow_tokens(WeightResidency(session.weights, streamed_for,
+                                                  lambda text: session.events.add("weights", text)))
         if allocator_why:
             session.events.add("memory", allocator_why)
         if offload_why:
@@ -186,16 +202,9 @@ def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts,
     if facts.shape is None or not blocks:
         return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
     activations = _activations(opts, len(blocks))
-    frozen = sum(t.numel() * t.element_size() for b in blocks for _m, _n, t in frozen_params_of(b))
-    shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
 
-    def fewest(fmt):  # the plan with the fewest streamed blocks that fits (all of them when none does)
-        for count in range(len(blocks) + 1):
-            plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
-                             streamed_blocks=count, streamed_shared_by=shared_by)
-            if plan.plan is not None and plan.plan.fits:
-                break
-        return plan
+    def fewest(fmt):
+        return _fewest_streamed((blocks, facts, budget), opts, fmt)
 
     fmt, implied, note, plan = opts.quantize, None, "", None
     if fmt == "auto" and opts.prefer == "exact":
@@ -224,6 +233,32 @@ def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts,
     return chosen, (f"param_offload='auto': {len(chosen)} of {len(blocks)} blocks stream {stored}, the fewest with "
                     f"which the plan fits" + (" (quantize='auto': no quantization fits with every block resident)"
                                               if implied else "") + f"{note} ({plan.message})"), implied
+
+
+def _fewest_streamed(inputs, opts, fmt, tokens=(PLAN_BATCH, PLAN_SEQ)):
+    """The plan with the fewest streamed blocks that fits `tokens` with the weights stored as `fmt` (the
+    plan with all of them streamed when none does)."""
+    blocks, facts, budget = inputs
+    activations = _activations(opts, len(blocks))
+    frozen = sum(t.numel() * t.element_size() for b in blocks for _m, _n, t in frozen_params_of(b))
+    shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
+    for count in range(len(blocks) + 1):
+        plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
+                         streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens)
+        if plan.plan is not None and plan.plan.fits:
+            break
+    return plan
+
+
+def _streamed_for(inputs, opts):
+    """param_offload='auto' after the choice: how many blocks must stream at (batch, seq) tokens, for
+    WeightResidency (memory/residency.py). `opts` as wrap() settled them (quantize: the stored format)."""
+    fmt = None if opts.quantize == "auto" else opts.quantize
+
+    def count(batch: int, seq: int) -> int:
+        plan = _fewest_streamed(inputs, opts, fmt, tokens=(batch, seq))
+        return plan.plan.options.streamed_blocks if plan.plan is not None else len(inputs[0])
+    return count
 
 
 def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -> None:

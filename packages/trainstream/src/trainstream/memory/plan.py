@@ -225,10 +225,13 @@ class WrapPlan:
 
 
 def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", moment_dtype="auto",
-              activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1) -> WrapPlan:
-    """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits PLAN_SEQ
-    tokens (NF4 when none does), so more VRAM never quantizes more; the run is refused (``fits`` False)
-    when even one token per step does not fit. Other arguments as ``ts_planner.plan_memory``'s."""
+              activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1,
+              tokens: tuple[int, int] = (PLAN_BATCH, PLAN_SEQ)) -> WrapPlan:
+    """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits ``tokens``
+    (batch, sequence length; wrap() does not see the batch: PLAN_BATCH x PLAN_SEQ), NF4 when none does,
+    so more VRAM never quantizes more; the run is refused (``fits`` False) when even one token per step
+    does not fit. Other arguments as ``ts_planner.plan_memory``'s."""
+    batch, seq = tokens
     if facts.shape is None:
         return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks)
     shape = facts.shape
@@ -239,10 +242,10 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
         quantize = facts.quantized
     elif quantize == "auto" and facts.train == "full":
         quantize = None
-    plan = ts_planner.plan_memory(shape, budget, batch=PLAN_BATCH, seq=PLAN_SEQ, quantize=quantize, **args)
+    plan = ts_planner.plan_memory(shape, budget, batch=batch, seq=seq, quantize=quantize, **args)
     chosen = plan.options.quantize if plan.fits or quantize != "auto" else _QUANT_ORDER[-1]
     if not plan.fits and quantize == "auto":
-        plan = ts_planner.plan_memory(shape, budget, batch=PLAN_BATCH, seq=PLAN_SEQ, quantize=chosen, **args)
+        plan = ts_planner.plan_memory(shape, budget, batch=batch, seq=seq, quantize=chosen, **args)
     state = ts_planner.plan_memory(shape, budget, batch=1, seq=1, quantize=chosen, **args)
     o = plan.options
     keep, page, recompute = o.activation_counts(shape.num_hidden_layers)
@@ -255,17 +258,17 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
     if plan.fits:
         room = ("on the CPU, no VRAM limit" if budget.vram_bytes >= _NO_VRAM else
                 f"of {budget.usable_vram / GiB:.2f} GiB usable VRAM")
-        verdict = (f"at {PLAN_BATCH} x {PLAN_SEQ} tokens: peak {plan.peak_vram_bytes / GiB:.2f} GiB {room}, "
+        verdict = (f"at {batch} x {seq} tokens: peak {plan.peak_vram_bytes / GiB:.2f} GiB {room}, "
                    f"{plan.host_bytes / GiB:.2f} GiB of "
                    f"{budget.host_bytes / GiB:.2f} GiB host RAM")
     else:
         e = plan.estimate
-        more = _fixes(facts, budget, plan.options, args, moment_dtype, streamed_blocks, seq=PLAN_SEQ)
+        more = _fixes(facts, budget, plan.options, args, moment_dtype, streamed_blocks, seq=seq, batch=batch)
         short = ", ".join(f"{_NAMES[name]} {over / GiB:.2f} GiB short" for name, _, over in plan.overflow)
-        verdict = (f"{PLAN_BATCH} x {PLAN_SEQ} tokens do not fit even with every reduction the options allow "
+        verdict = (f"{batch} x {seq} tokens do not fit even with every reduction the options allow "
                    f"(peak {e.allocator_bytes / GiB:.2f} GiB, host {e.host_bytes / GiB:.2f} GiB: {short}); the state alone does "
                    f"({state.peak_vram_bytes / GiB:.2f} GiB VRAM, {state.host_bytes / GiB:.2f} GiB host RAM): "
-                   f"fewer tokens per step will" + (f", or at {PLAN_SEQ} tokens {' or '.join(more)}" if more else ""))
+                   f"fewer tokens per step will" + (f", or at {seq} tokens {' or '.join(more)}" if more else ""))
     message = (f"{what}: {verdict}; quantize={chosen or 'none'}, moments {o.moment_dtype}, "
                f"{o.streamed_blocks} of {shape.num_hidden_layers} blocks streamed, activations {keep} kept / "
                f"{page} paged / {recompute} recomputed; lower bound {plan.lower_bound_s * 1e3:.1f} ms/step "
@@ -299,8 +302,9 @@ def _refusal(what: str, state, facts: ModelFacts, budget, quantize, moment_dtype
             f"one token per step: {'; '.join(parts)}: {advice} (check_memory=False tries anyway)")
 
 
-def _fixes(facts: ModelFacts, budget, options, args: dict, moment_dtype, streamed: int, seq: int) -> list[str]:
-    """The single changes of wrap() options that make a plan at 1 x `seq` tokens fit."""
+def _fixes(facts: ModelFacts, budget, options, args: dict, moment_dtype, streamed: int, seq: int,
+           batch: int = 1) -> list[str]:
+    """The single changes of wrap() options that make a plan at `batch` x `seq` tokens fit."""
     layers, q = facts.shape.num_hidden_layers, options.quantize
     candidates = []
     if moment_dtype != "bfloat16" and options.moment_dtype != "bfloat16":
@@ -317,7 +321,7 @@ def _fixes(facts: ModelFacts, budget, options, args: dict, moment_dtype, streame
     fits = []
     for text, change in candidates:
         trial = {**args, "quantize": q, **change}
-        if ts_planner.plan_memory(facts.shape, budget, batch=1, seq=seq, **trial).fits:
+        if ts_planner.plan_memory(facts.shape, budget, batch=batch, seq=seq, **trial).fits:
             fits.append(text)
     return fits
 

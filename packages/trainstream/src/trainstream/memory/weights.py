@@ -40,7 +40,10 @@ Invariants:
      The host never writes a host copy while a copy from it is in flight: the worker waits for the
      block's newest fetch (the slot's ``upload_event``). A weight written in place while resident (a
      user edit: its version moves) is copied back to the host before the device copy is dropped.
-  6. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
+  6. A *kept* block (``keep``) stays on the GPU once fetched: outside the LRU and its capacity, never
+     evicted but by ``keep`` (a new set), ``evict_all`` or removal. Only blocks whose trained weights
+     do not stream can be kept (a streamed trained weight's update reaches the GPU by its next fetch).
+  7. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
      blocks are one shared-memory region per machine (``shared_host``), filled once by the machine's
      lowest rank and never written by a fetch; each process page-locks its mapping for itself.
      (``load_state_dict`` writes it from every rank: the same values, as every rank loads the same state.)
@@ -84,7 +87,7 @@ class WeightStreamer:
     def __init__(self, blocks: list[torch.nn.Module], streamed, *, device: torch.device, prefetch_depth: int = 1,
                  arena: ts_pinned.PinnedArena | None = None, shared: bool | None = None,
                  timeout: float | None = None, trained: bool | None = False):
-        """``shared``: the host copies of a data-parallel run are one per machine (invariant 6); None: when
+        """``shared``: the host copies of a data-parallel run are one per machine (invariant 7); None: when
         an initialized process group has more than one rank (as ``distributed=None``), False: never.
         ``timeout``: of its set-up's collectives (default ``trainstream.distributed.DEFAULT_TIMEOUT_S``).
         ``trained``: whether the blocks' trained weights stream too (None: where they are most of a
@@ -106,7 +109,9 @@ class WeightStreamer:
         for i, b in self.streamed.items():
             for module, _n, _p in b.params:
                 self._modules[id(module)] = (module, i)
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident blocks
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident streaming blocks
+        self.kept: set[int] = set()  # blocks that stay resident once fetched (invariant 6)
+        self._kept_resident: set[int] = set()  # the kept blocks fetched so far
         self._freeing: collections.deque = collections.deque()  # compute-stream events after evictions
         self._current: int | None = None
         self._handles, self._hooks = [], []
@@ -114,7 +119,7 @@ class WeightStreamer:
         self.source: HostSource | PeerSource = HostSource()  # where fetched bytes come from
         self._qweights: dict[int, tuple] = {}  # id(QuantLinear) -> (module, its streamed QuantizedTensor)
         self.shared, self.timeout = shared, timeout
-        self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 6)
+        self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 7)
         self.shared_message = None  # what prepare() decided about sharing, for the event log
         self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0,
                          "update_waits": 0, "written_back": 0}
@@ -215,7 +220,7 @@ class WeightStreamer:
     def prepare(self) -> None:
         """Copies each streamed block's frozen weights into one host buffer; the parameters then
         point at their host copies (the old storage is released where nothing else holds it).
-        Collective under data parallel (invariant 6)."""
+        Collective under data parallel (invariant 7)."""
         for b in self.streamed.values():
             for module, name, _p in b.params:
                 if name == "qweight.data":  # what after_load() gives back to the module
@@ -278,11 +283,15 @@ class WeightStreamer:
         self._current = index
         self._fetch(index)
         b = self.streamed[index]
-        self.channel.compute_wait(b.ready)
+        if b.ready is not None or not b.used:
+            self.channel.compute_wait(b.ready)
         if self.channel.is_cuda and not b.used:
             b.device.record_stream(torch.cuda.current_stream(self.device))  # invariant 2
             b.used = True
-        order = sorted(self.streamed) if ahead > 0 else sorted(self.streamed, reverse=True)
+            if index in self.kept:
+                b.ready = None  # the compute stream is ordered after its one copy from now on
+        streaming = [i for i in self.streamed if i not in self.kept]
+        order = sorted(streaming) if ahead > 0 else sorted(streaming, reverse=True)
         later = [i for i in order if (i > index if ahead > 0 else i < index)][: self.prefetch_depth]
         for i in later:
             if i not in self._lru:
@@ -297,12 +306,14 @@ class WeightStreamer:
             p.data = self._view(b.device if device else b.host, offset, p)
 
     def _fetch(self, index: int) -> None:
+        if index in self._kept_resident:
+            return
         if index in self._lru:
             if index not in self._stale or torch._C._current_graph_task_id() >= 0:  # never in backward: inv. 5
                 self._lru.move_to_end(index)
                 return
             self._evict(index)
-        while len(self._lru) >= self.capacity:
+        while index not in self.kept and len(self._lru) >= self.capacity:
             victim = next((i for i in self._lru if i != self._current), None)
             if victim is None:
                 break
@@ -328,8 +339,11 @@ class WeightStreamer:
         b.versions = [p._version for _m, _n, p in b.trained_params]
         self._point(b, device=True)
         self.channel.stats.count("h2d", b.nbytes)
-        self._lru[index] = None
-        self.peak_resident = max(self.peak_resident, len(self._lru))
+        if index in self.kept:
+            self._kept_resident.add(index)
+        else:
+            self._lru[index] = None
+            self.peak_resident = max(self.peak_resident, len(self._lru))
         self.counters["fetches"] += 1
         self.counters["h2d_bytes"] += b.nbytes
 
@@ -360,6 +374,7 @@ class WeightStreamer:
             freed.record(torch.cuda.current_stream(self.device))
             self._freeing.append(freed)
         self._lru.pop(index, None)
+        self._kept_resident.discard(index)
         self.counters["evictions"] += 1
 
     def _wait_for_freed(self) -> None:
@@ -393,8 +408,29 @@ class WeightStreamer:
             torch.cuda.synchronize(self.device)
 
     def evict_all(self) -> None:
-        for index in list(self._lru):
+        for index in [*self._lru, *self._kept_resident]:
             self._evict(index)
+
+    def keepable(self) -> list[int]:
+        """The streamed blocks ``keep`` accepts (invariant 6)."""
+        return [i for i, b in self.streamed.items() if not b.trained]
+
+    def keep(self, indices) -> list[int]:
+        """From now on the blocks in `indices` stay on the GPU once fetched, and the other streamed blocks
+        stream (param_offload='auto': the plan at the batch's real tokens found room for them). Between
+        steps. Returns the kept blocks; a block ``keepable`` leaves out is refused."""
+        wanted = set(indices)
+        refused = wanted - set(self.keepable())
+        if refused:
+            raise ValueError(f"blocks {sorted(refused)} cannot be kept resident: not streamed, or their trained "
+                             f"weights stream (their updates reach the GPU by the next fetch)")
+        for index in [i for i in self._kept_resident if i not in wanted]:
+            self._evict(index)  # streams again from its next use
+        for index in [i for i in self._lru if i in wanted]:
+            del self._lru[index]
+            self._kept_resident.add(index)
+        self.kept = wanted
+        return sorted(wanted)
 
     def check_load(self, model: torch.nn.Module, state_dict: dict, prefix: str) -> None:
         """Before ``load_state_dict`` changes anything: a streamed quantized weight may take new values,
@@ -454,7 +490,7 @@ class WeightStreamer:
         if t.device != self.device:
             return False
         ptr = t.data_ptr()
-        for i in self._lru:
+        for i in [*self._lru, *self._kept_resident]:
             base = self.streamed[i].device
             if base.data_ptr() <= ptr < base.data_ptr() + self.streamed[i].nbytes:
                 return True
@@ -484,7 +520,7 @@ class WeightStreamer:
             region.release()
 
     def stats(self) -> dict:
-        resident = sum(self.streamed[i].nbytes for i in self._lru)
+        resident = sum(self.streamed[i].nbytes for i in [*self._lru, *self._kept_resident])
         return {**self.counters, **self.source.stats(), "source": self.source.kind,
                 "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
                 "trained_blocks": self.trained_blocks, "trained_bytes": self.trained_bytes(),
@@ -493,5 +529,6 @@ class WeightStreamer:
                 "host_owner": self.region is None or self.region.leader,
                 "local_ranks": self.region.local_ranks if self.region is not None else 1,
                 "shared": self.shared_message,
-                "resident_blocks": len(self._lru), "peak_resident_blocks": self.peak_resident,
+                "kept_blocks": sorted(self.kept),
+                "resident_blocks": len(self._lru) + len(self._kept_resident), "peak_resident_blocks": self.peak_resident,
                 "device_bytes": resident}
