@@ -64,25 +64,33 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _kind(name: str) -> str:
-    """The GPU activity class of a profiler event: "h2d" / "d2h" copies, else "kernel" (kernels, memsets,
-    device-to-device copies: work that occupies the GPU rather than the link)."""
-    if name.startswith("Memcpy HtoD"):
-        return "h2d"
-    if name.startswith("Memcpy DtoH"):
-        return "d2h"
-    return "kernel"
+def _kind(event: dict) -> str | None:
+    """The GPU activity class of a chrome-trace event: "h2d" / "d2h" copies, "kernel" (kernels, memsets,
+    device-to-device copies: work that occupies the GPU rather than the link), None for host events."""
+    category, name = event.get("cat", ""), event.get("name", "")
+    if category == "gpu_memcpy":
+        return "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else "kernel"
+    if category in ("kernel", "gpu_memset"):
+        return "kernel"
+    return None
 
 
 def _gpu_busy_per_step(prof) -> list[dict]:
     """Per train_step window, seconds of GPU activity: ``busy`` (kernels, copies, memsets: their union),
     ``kernel``, ``h2d``, ``d2h`` (each class's union) and ``h2d_alone`` (host-to-device copying while no
-    kernel runs: the compute stream waiting on the link). The GPU is synchronized at every step's end,
-    so a step's work lies between its start and the next one's."""
-    events = prof.events()
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "train_step")
-    device_events = [(e.time_range.start, e.time_range.end, _kind(e.name)) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel runs: the compute stream waiting on the link), read from the exported chrome trace (the
+    profiler's event list leaves out device work it cannot tie to a host op, e.g. most copies). The GPU
+    is synchronized at every step's end, so a step's work lies between its start and the next one's."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    steps = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("name") == "train_step" and e.get("cat") == "user_annotation")
+    device_events = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e)) for e in events if _kind(e) and "ts" in e]
     out = []
     for i, (start, _) in enumerate(steps):
         stop = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
