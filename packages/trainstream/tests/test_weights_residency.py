@@ -128,6 +128,9 @@ def test_residency_follows_the_most_tokens_seen_and_ignores_evaluation():
 def test_wrap_auto_keeps_what_the_real_batch_leaves_room_for(monkeypatch):
     """A VRAM budget (15 MiB) where the plan at 2048 tokens streams every block but the one for the 2 x 16
     token batches streams none: they all stay, and training is bit-exact against all-resident."""
+    from trainstream.memory import residency
+
+    monkeypatch.setattr(residency, "FOLLOW_TOKENS", True)  # off by default until it measures faster
     data = batches(3)
     runs = []
     for offload in (False, "auto"):

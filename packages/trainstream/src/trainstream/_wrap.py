@@ -15,6 +15,7 @@ from ._options import parse_options
 from ._session import TrainStreamSession
 from ._stalls import attach_stall_clock
 from .engine import SlotState
+from .memory import residency
 from .memory.activations import blocks_of
 from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
@@ -116,7 +117,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         session.plan = plan.to_dict()
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
-        if streamed_for is not None and session.weights.keepable():
+        if streamed_for is not None and residency.FOLLOW_TOKENS and session.weights.keepable():
             session.follow_tokens(WeightResidency(session.weights, streamed_for,
                                                   lambda text: session.events.add("weights", text)))
         if allocator_why:

@@ -25,7 +25,13 @@ import torch
 
 from .tuner import spread
 
-__all__ = ["WeightResidency", "batch_tokens"]
+__all__ = ["FOLLOW_TOKENS", "WeightResidency", "batch_tokens"]
+
+# Off until the choice leaves the activation policy room: on the H200 (14B LoRA, bf16 base, 1 x 512,
+# 24 GB cap, 2026-12-02) keeping 7 of 27 blocks left 0.11 GiB after the peak, every block's activations
+# were paged and the step took 1.18 s against 0.88 s streaming all 27
+# (docs/results/lora14b-bf16-residency-h200-2026-12-02.log). wrap() attaches it only when True.
+FOLLOW_TOKENS = False
 
 
 def batch_tokens(args: tuple, kwargs: dict) -> tuple[int, int] | None:
