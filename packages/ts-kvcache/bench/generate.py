@@ -135,7 +135,10 @@ def _child(args, engine: str, batch: int) -> dict:
         cmd += ["--tiny", "--device", args.device]
     if args.resident is not None:
         cmd += ["--resident", str(args.resident)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"engine": engine, "batch": batch, "outcome": f"timed out after {args.timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -153,13 +156,14 @@ def sweep(args) -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
 
-    batch, fits = args.start_batch, None
+    batch, fits, too_large = args.start_batch, None, None
     while batch <= args.max_batch:
         result = _child(args, "dynamic", batch)
         # Progress: each probe is a whole generate() in a fresh process (a minute or more at 7B).
         print(f"probe: DynamicCache at batch {batch}: {result.get('outcome')} "
               f"({result.get('tokens_per_s', '-')} tokens/s)", file=sys.stderr, flush=True)
         if result.get("outcome") != "ok":
+            too_large = result
             break
         fits = (batch, result)
         batch *= 2
@@ -167,9 +171,14 @@ def sweep(args) -> None:
         raise SystemExit(f"DynamicCache does not fit even at batch {args.start_batch}; lower --start-batch")
     batch, dynamic = fits
     record(dynamic)
-    for engine in ("offloaded", "paged"):
+    if too_large is not None:
+        record(too_large)
+    # The engine under test first at each batch: a run cut short by the caller's time limit keeps it.
+    for engine in ("paged", "offloaded"):
         record(_child(args, engine, batch))
-    for engine in ENGINES:
+    for engine in ("paged", "offloaded", "dynamic"):
+        if engine == "dynamic" and too_large is not None:
+            continue  # it did not fit at half this batch (recorded above)
         record(_child(args, engine, 4 * batch))
 
 
