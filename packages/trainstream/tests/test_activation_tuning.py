@@ -212,6 +212,45 @@ def test_a_paging_trial_the_link_cannot_win_is_not_run(fake_device):
     trainstream.unwrap(model)
 
 
+@pytest.mark.parametrize(("reserved_blocks", "tried"), [(0.0, True), (8.0, False)])
+def test_bytes_backward_already_moves_count_against_a_paging_trial(fake_device, reserved_blocks, tried):
+    """Streamed weights and uploads share the link with pages coming back: the recompute trial steps
+    in 10 s; 3 paged blocks take 6 s out and back alone (tried), or 3 + 8 s beside 8 blocks' worth of
+    weights fetched for backward (not tried)."""
+    device = fake_device(recompute_s=3.0, page_s=0.1)
+    device._link = float(device.block_bytes)  # a block's bytes per second
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    policy = device.policy = model._trainstream_session.activations
+    policy.reserved_link_bytes = lambda: int(reserved_blocks * device.block_bytes)
+    _run(model, opt, steps=4)
+    report = trainstream.memory_report(model)
+    assert len(report["activations"]["tuning"]["trials"]) == (2 if tried else 1)
+    assert any("not tried: " in e for e in report["events"]) is not tried
+    trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize(("state_blocks", "kept", "left"), [(0.0, 3, 0.0), (1.5, 2, 1.5), (4.0, 3, 0.0)])
+def test_kept_activations_leave_room_for_the_optimizer_state_when_it_fits(fake_device, state_blocks, kept, left):
+    """Budget 5 blocks, 3% margin, 1 block of rest: 3 blocks' activations fit. A state of 1.5 blocks that
+    moves to VRAM after settling leaves room for 2; one of 4 blocks never fits, so it takes no room."""
+    device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=4.0)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    policy = device.policy = model._trainstream_session.activations
+    state = int(state_blocks * device.block_bytes)
+    policy.reserved_vram_bytes = lambda: state
+    _run(model, opt, steps=6)
+    tuner = policy.tuner
+    assert tuner.settled and len(tuner.current.kept) == kept
+    assert tuner.vram_left_for_state == int(left * device.block_bytes)
+    settled = [e for e in trainstream.memory_report(model)["events"] if "settled:" in e]
+    assert ("left for the optimizer state" in settled[-1]) is (left > 0)
+    # The move itself then takes that room, not more of it.
+    room = tuner.measured.room_bytes
+    tuner.static_grew(state)
+    assert tuner.measured.room_bytes == (room if left > 0 else max(0, room - state))
+    trainstream.unwrap(model)
+
+
 def test_a_losing_paging_trial_gives_its_page_pool_back(fake_device, monkeypatch):
     """Recompute measures faster: the slabs page-locked for the paging trial are returned at settle."""
     device = fake_device(recompute_s=1.0, page_s=3.0)

@@ -57,6 +57,27 @@ def test_kept_blocks_train_bit_for_bit_and_are_fetched_once():
     assert fetched["kept"] == fetched["listed"] > 0
 
 
+def test_the_link_bytes_a_pass_moves_are_what_a_step_fetches_and_count_against_pages():
+    """h2d_bytes_per_pass() is half a training step's measured h2d_bytes (forward and backward each fetch
+    every streamed block that is not kept but the 3 the other pass left resident), and the activation
+    tuner sees it in backward's link bytes."""
+    model, opt = trainstream.wrap(_frozen_stack(depth=8), lr=1e-3, param_offload=True)
+    session = model._trainstream_session
+    weights = session.weights
+    for keep in ([], [1, 3, 4]):
+        weights.keep(keep)
+        _run(model, opt, steps=1)  # kept blocks are fetched the first time they are used
+        before = weights.counters["h2d_bytes"]
+        _run(model, opt, steps=1, seed=3)
+        assert weights.counters["h2d_bytes"] - before == 2 * weights.h2d_bytes_per_pass() > 0
+        streaming = [b.nbytes for i, b in weights.streamed.items() if i not in keep]
+        assert weights.h2d_bytes_per_pass() == sum(streaming) - weights.capacity * streaming[0]  # equal blocks
+        uploads = sum(s.param.numel() * s.param.element_size() for s in session.engine.active
+                      if s.placement == "host" and not s.streamed)
+        assert session._backward_h2d_bytes() == uploads + weights.h2d_bytes_per_pass()
+    trainstream.unwrap(model)
+
+
 def test_keep_changes_between_steps_and_refuses_what_cannot_stay():
     model, opt = trainstream.wrap(_frozen_stack(depth=4), lr=1e-3, param_offload=True)
     weights = model._trainstream_session.weights

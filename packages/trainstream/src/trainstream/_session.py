@@ -139,7 +139,8 @@ class TrainStreamSession:
                 if self.weights.shared_message:
                     self.events.add("weights", self.weights.shared_message)
             self.activations = ActivationPolicy(model, options, device, self.arena, self.events,
-                                                reserved_link_bytes=self._upload_bytes_per_step)
+                                                reserved_link_bytes=self._backward_h2d_bytes,
+                                                reserved_vram_bytes=self._state_bytes_to_move)
             if self.weights is not None and self.activations.offloader is not None:
                 self.activations.offloader.skip = self.weights.owns  # streamed weights are not activations
             attention = resolve_wrap_default(options.attention, device, self.world, self.events)
@@ -202,9 +203,20 @@ class TrainStreamSession:
                 + (f"; {resident} trained parameters in those blocks (small beside the frozen weights) stay in VRAM"
                    if resident else ""))
 
-    def _upload_bytes_per_step(self) -> int:
-        """Host->device bytes the host updates upload each step (the weights of host-placed slots)."""
-        return sum(s.param.numel() * s.param.element_size() for s in self.engine.active if s.placement == "host")
+    def _backward_h2d_bytes(self) -> int:
+        """Host->device bytes that share the link with activation pages coming back in backward: the
+        host updates' uploads (the weights of host-placed slots; a streamed slot uploads nothing, its
+        block's fetch carries it) and the streamed blocks' fetches for backward."""
+        uploads = sum(s.param.numel() * s.param.element_size() for s in self.engine.active
+                      if s.placement == "host" and not s.streamed)
+        return uploads + (self.weights.h2d_bytes_per_pass() if self.weights is not None else 0)
+
+    def _state_bytes_to_move(self) -> int:
+        """VRAM offload='auto' will move the whole optimizer state into after the activation policy
+        settles (0 once moved, or when it never moves all of it)."""
+        if not self.adapting or self.config.offload != "auto":
+            return 0
+        return sum(device_state_bytes(s) for s in self.engine.active if s.placement != "device" and not s.streamed)
 
     def follow_tokens(self, residency) -> None:
         """param_offload='auto': the streamed blocks follow the batch's real size (memory/residency.py),

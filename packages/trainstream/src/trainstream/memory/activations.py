@@ -74,12 +74,13 @@ class ActivationPolicy:
     """
 
     def __init__(self, model: torch.nn.Module, options, device: torch.device, arena, events, *,
-                 meter: Meter | None = None, reserved_link_bytes=lambda: 0):
+                 meter: Meter | None = None, reserved_link_bytes=lambda: 0, reserved_vram_bytes=lambda: 0):
         self.blocks = list(options.blocks) if options.blocks is not None else find_blocks(model)
         offload, recompute = options.activation_offload, options.recompute
         n = len(self.blocks)
         self._events = events
         self.reserved_link_bytes = reserved_link_bytes
+        self.reserved_vram_bytes = reserved_vram_bytes
         self._headroom = options.vram_headroom
         self.tuner: ActivationTuner | None = None
         self._pool_trimmed = False  # 'auto': the page pool is cut to the settled setting once
@@ -166,7 +167,8 @@ class ActivationPolicy:
             self._events.add("activations", f"'auto' keeps every block's activations: {why}")
             return (False if offload == "auto" else offload), (False if recompute == "auto" else recompute)
         self.tuner = ActivationTuner(len(self.blocks), meter, self._events, page=offload == "auto",
-                                     recompute=recompute == "auto", reserved_link_bytes=self._reserved_link)
+                                     recompute=recompute == "auto", reserved_link_bytes=self._reserved_link,
+                                     reserved_vram_bytes=lambda: int(self.reserved_vram_bytes()))
         return False, False
 
     def _reserved_link(self) -> int:

@@ -129,15 +129,23 @@ class CudaMeter(Meter):
 
 class ActivationTuner:
     """Decides the policy for ``blocks`` blocks. ``page`` / ``recompute``: which paths it may use.
-    ``reserved_link_bytes``: a callable giving the H2D bytes per step the optimizer uploads."""
+    ``reserved_link_bytes``: a callable giving the H2D bytes backward already moves besides the
+    pages (the optimizer's uploads, the streamed weights). ``reserved_vram_bytes``: a callable giving the VRAM the
+    optimizer state will move into once the policy settles (offload='auto'); kept activations leave
+    it free when the state fits at all, since a state in VRAM removed more time than kept
+    activations saved (lora14b with a streamed bf16 base on the H200: every block recomputed with the
+    state in VRAM 0.728 s a step, against 0.852-0.876 s keeping 15-19 blocks' activations with the
+    state left on the host; docs/results/lora14b-bf16-*-h200-2026-12-02.log)."""
 
     def __init__(self, blocks: int, meter: Meter, events, *, page: bool, recompute: bool,
-                 reserved_link_bytes=lambda: 0):
+                 reserved_link_bytes=lambda: 0, reserved_vram_bytes=lambda: 0):
         self.blocks = blocks
         self.meter = meter
         self.events = events
         self.page, self.recompute = page, recompute
         self.reserved_link_bytes = reserved_link_bytes
+        self.reserved_vram_bytes = reserved_vram_bytes
+        self.vram_left_for_state = 0  # of the room, what the last correction left for the optimizer state
         self.phase = "probe"
         self.measured: Measured | None = None
         self.candidates: list[Choice] = []
@@ -236,8 +244,12 @@ class ActivationTuner:
             kept = len(self.current.kept)
             self.base_bytes = max(0, peak - kept * m.block_bytes)
             self.static_bytes = min(self._static_now, self.base_bytes)
-            room = int(budget * (1 - PEAK_MARGIN)) - self.base_bytes
-            m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room)})
+            limit = int(budget * (1 - PEAK_MARGIN))
+            state = max(0, int(self.reserved_vram_bytes()))
+            self.vram_left_for_state = state if self.base_bytes + state <= limit else 0
+            room = limit - self.base_bytes - self.vram_left_for_state
+            m = self.measured = Measured(**{**m.__dict__, "room_bytes": max(0, room),
+                                            "reserved_link_bytes": self.reserved_link_bytes()})
         if self.phase == "measuring":
             # The probe step is not timed (it synchronized at the probed block and grew the page pool).
             # Fewest pages first: a paging trial whose copies alone would take longer than the best
@@ -262,7 +274,8 @@ class ActivationTuner:
         best = min(t[1] for t in self.trials)
         left = []
         for c in self.candidates[self._trial:]:
-            floor = 2 * len(c.paged) * m.block_bytes / m.link_bytes_per_s
+            pages = len(c.paged) * m.block_bytes  # out in forward, back in backward beside the reserved bytes
+            floor = max(2 * pages, pages + m.reserved_link_bytes) / m.link_bytes_per_s
             if floor >= best:
                 self._event(f"not tried: {self.describe(c)}: its pages alone would take {floor * 1e3:.0f} ms "
                             f"on the link, the best step so far took {best * 1e3:.0f} ms")
@@ -280,7 +293,9 @@ class ActivationTuner:
         self.current = self._refit(best, m)
         self.phase = "settled"
         timings = ", ".join(f"{self.describe(c)} {s * 1e3:.0f} ms" for c, s, _ in self.trials)
-        self._event(f"settled: {self.describe(self.current)}" + (f" (measured: {timings})" if timings else ""))
+        left = (f"; {_size(self.vram_left_for_state)} of VRAM left for the optimizer state, which moves there next"
+                if self.vram_left_for_state else "")
+        self._event(f"settled: {self.describe(self.current)}" + (f" (measured: {timings})" if timings else "") + left)
         return self.current
 
     # ---- watchdog ----------------------------------------------------------------------------
@@ -328,9 +343,11 @@ class ActivationTuner:
             return
         self.base_bytes += nbytes
         self.static_bytes += nbytes
+        left = min(nbytes, self.vram_left_for_state)  # the room already excluded this much
+        self.vram_left_for_state -= left
         if self.measured is not None:
             self.measured = Measured(**{**self.measured.__dict__,
-                                        "room_bytes": max(0, self.measured.room_bytes - nbytes)})
+                                        "room_bytes": max(0, self.measured.room_bytes - (nbytes - left))})
 
     def _tokens_that_fit(self, limit: int) -> int:
         """Tokens per forward whose scaled base fits ``limit`` (the measured count when nothing scales)."""

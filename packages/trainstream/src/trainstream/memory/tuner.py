@@ -37,7 +37,7 @@ class Measured:
     link_bytes_per_s: float  # the slower direction of the pinned link
     room_bytes: int  # VRAM under the target for kept activations
     host_bytes: int  # host memory the pages may take
-    reserved_link_bytes: int = 0  # host->device bytes per step the optimizer's uploads already need
+    reserved_link_bytes: int = 0  # host->device bytes backward already moves (uploads, streamed weights)
 
 
 @dataclasses.dataclass(frozen=True)

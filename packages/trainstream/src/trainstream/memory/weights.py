@@ -519,6 +519,14 @@ class WeightStreamer:
             region, self.region = self.region, None
             region.release()
 
+    def h2d_bytes_per_pass(self) -> int:
+        """Host->device bytes the streamed blocks move in one pass over the stack, in steady state: every
+        block not kept is fetched for forward and again for backward (a recomputed block's forward runs on
+        backward's fetch), except the ``capacity`` blocks a pass's end leaves resident for the next pass's
+        start (backward begins where forward ended, the next forward where backward ended)."""
+        sizes = sorted(b.nbytes for i, b in self.streamed.items() if i not in self.kept)
+        return sum(sizes[:max(0, len(sizes) - self.capacity)])
+
     def stats(self) -> dict:
         resident = sum(self.streamed[i].nbytes for i in [*self._lru, *self._kept_resident])
         return {**self.counters, **self.source.stats(), "source": self.source.kind,
