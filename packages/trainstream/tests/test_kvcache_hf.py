@@ -55,7 +55,7 @@ def test_greedy_tokens_match_dynamic_cache(model, resident, page_tokens):
     assert kv.seq_length() == got.shape[1] - 1  # the last token is sampled, never cached
     kv.check_invariants()
     if resident == 0 and page_tokens == 4:
-        assert kv.stats["prefetched"] > 0 and kv.stats["pages"] == LAYERS * (19 // 4)
+        assert kv.stats["prefetched"] > 0 and kv.stats["pages"] == LAYERS * 5  # 19 tokens: 4 full pages, 1 partly
         assert kv.stats["reallocations"] >= 1
 
 

@@ -20,6 +20,8 @@ struct PageCopy {
     int64_t row_pitch = 0;            // bytes between slot rows
     int64_t page_width = 0;           // bytes of one row of one page
     int64_t first_page = 0;           // logical index of pages[0]
+    int64_t column = 0;               // first byte copied in each page row
+    int64_t width = 0;                // bytes copied per page row (column + width <= page_width)
     bool to_pages = false;            // true: slot -> pages (scatter)
 };
 

@@ -21,12 +21,12 @@ struct PageTable {
 
 template <class V>
 __global__ void copy_pages_kernel(PageTable table, char* slot, int64_t rows, int64_t row_pitch, int64_t page_width,
-                                  int64_t first_page, bool to_pages) {
+                                  int64_t first_page, int64_t column, int64_t width, bool to_pages) {
     const int64_t page = blockIdx.z;
-    const int64_t vectors = page_width / int64_t(sizeof(V));
+    const int64_t vectors = width / int64_t(sizeof(V));
     for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-        V* in_slot = reinterpret_cast<V*>(slot + row * row_pitch + (first_page + page) * page_width);
-        V* in_page = reinterpret_cast<V*>(table.page[page] + row * page_width);
+        V* in_slot = reinterpret_cast<V*>(slot + row * row_pitch + (first_page + page) * page_width + column);
+        V* in_page = reinterpret_cast<V*>(table.page[page] + row * page_width + column);
         for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vectors;
              i += int64_t(gridDim.x) * blockDim.x) {
             if (to_pages)
@@ -40,7 +40,7 @@ __global__ void copy_pages_kernel(PageTable table, char* slot, int64_t rows, int
 // The widest access every address and length of the job is aligned to.
 int vector_bytes(const PageCopy& job) {
     uint64_t bits = reinterpret_cast<uint64_t>(job.slot) | uint64_t(job.row_pitch) | uint64_t(job.page_width) |
-                    uint64_t(job.first_page * job.page_width);
+                    uint64_t(job.first_page * job.page_width) | uint64_t(job.column) | uint64_t(job.width);
     for (int64_t i = 0; i < job.count; ++i) bits |= job.pages[i];
     if (bits % 16 == 0) return 16;
     if (bits % 4 == 0) return 4;
@@ -49,7 +49,7 @@ int vector_bytes(const PageCopy& job) {
 
 template <class V>
 void launch(const PageCopy& job, cudaStream_t stream) {
-    const int64_t vectors = job.page_width / int64_t(sizeof(V));
+    const int64_t vectors = job.width / int64_t(sizeof(V));
     const unsigned x = static_cast<unsigned>(std::min<int64_t>((vectors + kThreads - 1) / kThreads, 16));
     const unsigned y = static_cast<unsigned>(std::min<int64_t>(job.rows, 4096));
     for (int64_t start = 0; start < job.count; start += kPagesPerLaunch) {
@@ -58,7 +58,8 @@ void launch(const PageCopy& job, cudaStream_t stream) {
         for (int64_t i = 0; i < n; ++i) table.page[i] = reinterpret_cast<char*>(job.pages[start + i]);
         dim3 grid(std::max(x, 1u), std::max(y, 1u), static_cast<unsigned>(n));
         copy_pages_kernel<V><<<grid, kThreads, 0, stream>>>(table, job.slot, job.rows, job.row_pitch,
-                                                            job.page_width, job.first_page + start, job.to_pages);
+                                                            job.page_width, job.first_page + start, job.column,
+                                                            job.width, job.to_pages);
         TS_CUDA_CHECK_LAUNCH();
     }
 }
@@ -69,13 +70,13 @@ void copy_pages_cuda_engine(const PageCopy& job, int device, uintptr_t stream) {
     ts::CudaDeviceGuard guard(device);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     for (int64_t i = 0; i < job.count; ++i) {
-        char* in_slot = job.slot + (job.first_page + i) * job.page_width;
-        char* page = reinterpret_cast<char*>(job.pages[i]);
+        char* in_slot = job.slot + (job.first_page + i) * job.page_width + job.column;
+        char* page = reinterpret_cast<char*>(job.pages[i]) + job.column;
         if (job.to_pages)
-            TS_CUDA_CHECK(cudaMemcpy2DAsync(page, job.page_width, in_slot, job.row_pitch, job.page_width, job.rows,
+            TS_CUDA_CHECK(cudaMemcpy2DAsync(page, job.page_width, in_slot, job.row_pitch, job.width, job.rows,
                                             cudaMemcpyDefault, s));
         else
-            TS_CUDA_CHECK(cudaMemcpy2DAsync(in_slot, job.row_pitch, page, job.page_width, job.page_width, job.rows,
+            TS_CUDA_CHECK(cudaMemcpy2DAsync(in_slot, job.row_pitch, page, job.page_width, job.width, job.rows,
                                             cudaMemcpyDefault, s));
     }
 }

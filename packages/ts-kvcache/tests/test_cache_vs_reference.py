@@ -49,13 +49,14 @@ def _kv(gen, batch, heads, n, dim, dtype):
 
 @contextlib.contextmanager
 def counting_copies():
-    """Counts the pages the cache really copies each way (the native calls it makes)."""
+    """Counts the tokens the cache really copies each way (the native calls it makes)."""
     copied = {"h2d": 0, "d2h": 0}
     real = _cache.copy_pages
 
-    def spy(addresses, slot, page_tokens, first, to_pages, **kwargs):
-        copied["d2h" if to_pages else "h2d"] += addresses.numel()
-        return real(addresses, slot, page_tokens, first, to_pages, **kwargs)
+    def spy(addresses, slot, page_tokens, first, to_pages, offset=0, tokens=None, **kwargs):
+        per_page = page_tokens - offset if tokens is None else tokens
+        copied["d2h" if to_pages else "h2d"] += addresses.numel() * per_page
+        return real(addresses, slot, page_tokens, first, to_pages, offset=offset, tokens=tokens, **kwargs)
 
     with mock.patch.object(_cache, "copy_pages", spy):
         yield copied
@@ -71,25 +72,29 @@ class Tracker:
 
     def before(self, layer: int) -> None:
         if layer in self.cache.offloaded:
-            on_host = self.cache.seq_length(layer) // self.cache.page_tokens
-            self.fills += on_host > 0
-            self._on_host = on_host
+            self._start = self.cache.seq_length(layer)
+            self.fills += self._start > 0
 
     def after(self, layer: int) -> None:
-        if layer in self.cache.offloaded:
-            written = self.cache.seq_length(layer) // self.cache.page_tokens - self._on_host
-            self.bytes_written += written * self.cache.plan["page_bytes"]
+        if layer in self.cache.offloaded:  # every new token goes to host memory at once
+            written = self.cache.seq_length(layer) - self._start
+            self.bytes_written += written * token_bytes(self.cache)
 
     def check(self) -> None:
         cache = self.cache
         cache.check_invariants()
         stats = cache.stats
-        expected_pages = sum(cache.seq_length(i) // cache.page_tokens for i in cache.offloaded)
+        expected_pages = sum(-(-cache.seq_length(i) // cache.page_tokens) for i in cache.offloaded)
         assert stats["pages"] == expected_pages
         assert stats["d2h_bytes"] == self.bytes_written
         assert stats["prefetched"] + stats["gathered"] + stats["reused"] == self.fills
         assert set(cache.resident) | set(cache.offloaded) == set(range(cache.num_layers))
         assert not set(cache.resident) & set(cache.offloaded)
+
+
+def token_bytes(cache) -> int:
+    """Bytes of one token's keys and values, every batch row and head."""
+    return cache.plan["page_bytes"] // cache.page_tokens
 
 
 def _check_step(cache, ref, tracker, layer, k, v):
@@ -117,9 +122,9 @@ def test_generation_order_matches_cat(config, shape, chunks, dtype, seed):
             for layer in range(config["num_layers"]):
                 _check_step(cache, ref, tracker, layer, *_kv(gen, batch, heads, n, dim, dtype))
             tracker.check()
-            page_bytes = cache.plan.get("page_bytes", 0)
-            assert cache.stats["h2d_bytes"] == copied["h2d"] * page_bytes
-            assert cache.stats["d2h_bytes"] == copied["d2h"] * page_bytes
+            per_token = token_bytes(cache) if cache.plan else 0
+            assert cache.stats["h2d_bytes"] == copied["h2d"] * per_token
+            assert cache.stats["d2h_bytes"] == copied["d2h"] * per_token
 
 
 @SETTINGS
@@ -172,10 +177,11 @@ def test_decode_prefetches_every_offloaded_layer_after_the_first_step():
     after = cache.stats
     assert after["prefetched"] - before["prefetched"] == 15
     assert after["gathered"] == before["gathered"]
-    # Each fill moves every host page of its layer once: 3 or 4 pages of 2*2*2*4*4 float bytes.
-    page_bytes = cache.plan["page_bytes"]
-    assert page_bytes == 2 * 2 * 2 * 4 * 4 * 4
-    assert (after["h2d_bytes"] - before["h2d_bytes"]) % page_bytes == 0
+    # Each fill moves every token of its layer once (2*2*2*4 floats each): layers 3 and 5 at 14..18
+    # tokens; layer 1 is filled after layer 5's update, a step ahead, so at 15..19.
+    assert token_bytes(cache) == 2 * 2 * 2 * 4 * 4
+    moved = sum(range(15, 20)) + 2 * sum(range(14, 19))
+    assert after["h2d_bytes"] - before["h2d_bytes"] == moved * token_bytes(cache)
 
 
 def test_a_lone_offloaded_layer_keeps_its_slot_and_copies_nothing_back():
@@ -199,7 +205,7 @@ def test_reset_forgets_tokens_and_keeps_memory_for_the_next_prompt():
         cache.update(layer, *_kv(gen, 2, 1, 9, 4, torch.float32))
     held = cache.memory()
     assert held["host_bytes"] > 0 and held["device_bytes"] > 0
-    assert cache.stats["pages"] == 3 * 4
+    assert cache.stats["pages"] == 3 * 5  # 9 tokens: 4 full pages and a partly filled one
     cache.reset()
     assert [cache.seq_length(i) for i in range(4)] == [0, 0, 0, 0]
     assert cache.stats["pages"] == 0
@@ -215,17 +221,17 @@ def test_reset_forgets_tokens_and_keeps_memory_for_the_next_prompt():
     assert cache.memory() == {"device_bytes": 0, "host_bytes": 0}
 
 
-def test_memory_counts_resident_buffers_slots_tails_and_pages():
+def test_memory_counts_resident_buffers_slots_and_pages():
     cache = ts_kvcache.PagedKVCache(5, 10, resident_layers=[0, 4], page_tokens=4)
     k = torch.zeros(2, 3, 1, 8)
     for layer in range(5):
         cache.update(layer, k, k)
     itemsize = 4
     layer_bytes = 2 * 2 * 3 * 10 * 8 * itemsize  # capacity: max_tokens
-    tail_bytes = 2 * 2 * 3 * 4 * 8 * itemsize
-    # 2 resident buffers + 2 slots + 3 tails; 3 offloaded layers x 2 full pages reserved.
-    assert cache.memory()["device_bytes"] == 4 * layer_bytes + 3 * tail_bytes
-    assert cache.memory()["host_bytes"] == 3 * (10 // 4) * tail_bytes
+    page_bytes = 2 * 2 * 3 * 4 * 8 * itemsize
+    # 2 resident buffers + 2 slots, nothing per offloaded layer; 3 offloaded layers x 3 pages reserved.
+    assert cache.memory()["device_bytes"] == 4 * layer_bytes
+    assert cache.memory()["host_bytes"] == 3 * 3 * page_bytes
 
 
 def test_all_resident_on_cpu_with_auto():

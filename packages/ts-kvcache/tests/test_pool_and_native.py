@@ -88,20 +88,33 @@ def _pages_for(pool, count, dtype):
     return ids
 
 
-@settings(max_examples=60, deadline=None)
+@st.composite
+def spans(draw, page_tokens):
+    """(offset, tokens) within a page, or None for whole pages."""
+    if draw(st.booleans()):
+        return None
+    offset = draw(st.integers(0, page_tokens - 1))
+    return offset, draw(st.integers(1, page_tokens - offset))
+
+
+@settings(max_examples=80, deadline=None)
 @given(batch=st.integers(1, 3), heads=st.integers(1, 3), dim=st.integers(1, 9), page_tokens=st.integers(1, 5),
        extra=st.integers(0, 6), first=st.integers(0, 3), count=st.integers(0, 4),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]), to_pages=st.booleans())
-def test_native_copy_matches_reference(batch, heads, dim, page_tokens, extra, first, count, dtype, to_pages):
-    capacity = (first + count) * page_tokens + extra
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]), to_pages=st.booleans(), data=st.data())
+def test_native_copy_matches_reference(batch, heads, dim, page_tokens, extra, first, count, dtype, to_pages, data):
+    span = data.draw(spans(page_tokens))
+    offset, tokens = span or (0, None)
+    # A span may end short of the last page's end: the slot then needs only its tokens.
+    short = 0 if span is None or count == 0 else page_tokens - offset - tokens
+    capacity = (first + count) * page_tokens - short + extra
     itemsize = torch.empty((), dtype=dtype).element_size()
     pool = ts_kvcache.HostPagePool(2 * batch * heads * page_tokens * dim * itemsize)
     ids = _pages_for(pool, count, dtype)
     slot = torch.randint(0, 100, (2, batch, heads, capacity, dim)).to(dtype)
     want_slot = slot.clone()
     want_pages = [pool.page(i).clone() for i in ids]
-    copy_pages_reference(want_pages, want_slot, page_tokens, first, to_pages)
-    _native.copy_pages(pool.addresses(ids), slot, page_tokens, first, to_pages)
+    copy_pages_reference(want_pages, want_slot, page_tokens, first, to_pages, offset, tokens)
+    _native.copy_pages(pool.addresses(ids), slot, page_tokens, first, to_pages, offset=offset, tokens=tokens)
     assert torch.equal(slot.view(torch.uint8) if dtype != torch.uint8 else slot,
                        want_slot.view(torch.uint8) if dtype != torch.uint8 else want_slot)
     for i, want in zip(ids, want_pages):
@@ -116,6 +129,12 @@ def test_native_copy_refuses_pages_past_the_slot():
         _native.copy_pages(pool.addresses(ids), slot, 2, 0, False)
     with pytest.raises(ValueError, match="null address"):
         _native.copy_pages(torch.zeros(1, dtype=torch.int64), slot, 2, 0, False)
+    with pytest.raises(ValueError, match="must lie within"):
+        _native.copy_pages(pool.addresses(ids[:1]), slot, 2, 0, False, offset=1, tokens=2)
+    # A slot row of 4 tokens holds pages 0 and 1 of 2 tokens, not a token of page 2.
+    _native.copy_pages(pool.addresses(ids[:1]), slot, 2, 1, False, offset=0, tokens=2)
+    with pytest.raises(ValueError, match="run past the slot row"):
+        _native.copy_pages(pool.addresses(ids[:1]), slot, 2, 2, False, offset=0, tokens=1)
 
 
 def test_native_copy_refuses_a_slot_that_is_not_the_whole_buffer():

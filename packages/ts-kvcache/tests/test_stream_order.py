@@ -57,11 +57,11 @@ def _run(cache, ops, log, compute, streams):
     real = _cache.copy_pages
     by_handle = {s.cuda_stream: s for s in streams}
 
-    def copy(addresses, slot, page_tokens, first, to_pages, method="engine", stream=0):
+    def copy(addresses, slot, page_tokens, first, to_pages, method="engine", stream=0, **span):
         target = by_handle[stream]
         target.ops.append(("copy", to_pages, slot.data_ptr(), addresses.tolist()))
         log.ops.append(("copy", target.name, to_pages, slot.data_ptr(), addresses.tolist(), len(target.ops) - 1))
-        return real(addresses, slot, page_tokens, first, to_pages)
+        return real(addresses, slot, page_tokens, first, to_pages, **span)
 
     gen = torch.Generator().manual_seed(0)
     with mock.patch.object(_cache, "copy_pages", copy), \
@@ -98,20 +98,28 @@ def test_copies_wait_for_compute_and_pages_land_before_they_are_read():
     assert cache.stats["prefetched"] > 0
     _, h2d, d2h = streams
     assert any(op[0] == "copy" for op in h2d.ops) and any(op[0] == "copy" for op in d2h.ops)
-    for stream in streams:
+    for stream in (h2d, d2h):
         waited_compute = False
-        waited_d2h = -1  # d2h ops before the newest D2H event this stream waited for
         for op in stream.ops:
             if op[0] == "wait":
                 waited_compute |= op[1].stream is compute
-                if op[1].stream is d2h:
-                    waited_d2h = max(waited_d2h, op[1].index)
             elif op[0] == "copy":
-                if stream is not compute:
-                    assert waited_compute, f"a copy on {stream.name} ran without waiting for compute"
-                if not op[1]:  # a fill: every page it reads was written by a D2H copy already waited for
-                    written = [i for i, o in enumerate(d2h.ops) if o[0] == "copy" and set(o[3]) & set(op[3])]
-                    assert written and all(i < waited_d2h for i in written), "a fill may read a page before it lands"
+                assert waited_compute, f"a copy on {stream.name} ran without waiting for compute"
+    # A fill reads tokens of pages written by D2H copies issued before it: each one already waited
+    # for (later D2H copies write other tokens of a partly filled page).
+    waited_d2h = {"h2d": -1, "compute": -1}  # d2h ops before the newest D2H event each stream waited for
+    written_so_far: list[tuple[int, set]] = []  # (index on d2h, pages)
+    fills = 0
+    for op in log.ops:
+        if op[0] == "wait" and op[2].stream is d2h and op[1] in waited_d2h:
+            waited_d2h[op[1]] = max(waited_d2h[op[1]], op[2].index)
+        elif op[0] == "copy" and op[1] == "d2h":
+            written_so_far.append((op[5], set(op[4])))
+        elif op[0] == "copy" and not op[2]:
+            fills += 1
+            written = [i for i, pages in written_so_far if pages & set(op[4])]
+            assert written and all(i < waited_d2h[op[1]] for i in written), "a fill may read a page before it lands"
+    assert fills > 0
 
 
 def test_compute_waits_for_each_fill_before_using_the_slot():
@@ -159,15 +167,15 @@ def test_a_slot_changes_hands_only_after_its_d2h_copies_and_on_demand_fills_wait
     layer = None
     d2h_from: dict[int, list[tuple[int, int]]] = {}  # slot -> (layer, d2h op index) of copies out of it
     covered = -1  # d2h ops before the newest D2H event the compute stream waited for
-    for op in log.ops:
+    for position, op in enumerate(log.ops):
         if op[0] == "update":
             layer = op[1]
         elif op[0] == "copy" and op[1] == "d2h":
             d2h_from.setdefault(op[3], []).append((layer, op[5]))
         elif op[0] == "wait" and op[1] == "compute" and op[2].stream.name == "d2h":
             covered = max(covered, op[2].index)
-        elif op[0] == "copy" and op[1] == "compute":  # an on-demand fill reads pages: landed?
-            d2h = [o for o in log.ops if o[0] == "copy" and o[1] == "d2h" and set(o[4]) & set(op[4])]
+        elif op[0] == "copy" and op[1] == "compute":  # an on-demand fill reads pages written so far: landed?
+            d2h = [o for o in log.ops[:position] if o[0] == "copy" and o[1] == "d2h" and set(o[4]) & set(op[4])]
             assert all(o[5] < covered for o in d2h), "an on-demand fill may read a page before it lands"
         elif op[0] == "use":
             others = [index for owner, index in d2h_from.get(op[2], []) if owner != op[1]]

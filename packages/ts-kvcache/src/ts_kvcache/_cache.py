@@ -1,14 +1,17 @@
 """PagedKVCache: resident layers keep their keys and values in VRAM; offloaded layers
-keep full pages in host memory, a partial last page (the tail) in VRAM, and borrow one
-of a few device slots while they run, filled ahead of time on a copy stream.
+keep every token in host pages (the last one partly filled) and borrow one of a few
+device slots while they run, filled ahead of time on a copy stream. VRAM holds the
+resident layers and the slots, nothing per offloaded layer.
 
 Ordering on CUDA (nothing here blocks the host, except ``release``):
 - a prefetch into a slot waits, on the H2D stream, for the compute stream as it was when
   the prefetch was issued (the slot's previous layer has enqueued its attention by then)
-  and for the last page written to host memory;
+  and for the last tokens written to host memory;
 - the compute stream waits for a slot's fill before it touches the slot, and for the last
   D2H copy (which may still read the slot);
-- a full page leaves on the D2H stream once the compute stream has written its tokens.
+- an update's new tokens leave on the D2H stream, into their host pages, once the compute
+  stream has written them into the slot. A fill reads only tokens written before it was
+  issued; later D2H copies write other bytes of the same pages.
 """
 
 from __future__ import annotations
@@ -97,7 +100,6 @@ class PagedKVCache:
         self._offloaded: list[int] = [] if spec is None else [i for i in range(self.num_layers) if i not in spec]
         self._upcoming: dict[int, list[int]] = {}
         self._buffers: dict[int, torch.Tensor] = {}
-        self._tails: dict[int, torch.Tensor] = {}
         self._slots: list[_Slot] = []
         self._capacity = 0
         self._pool: HostPagePool | None = None
@@ -131,9 +133,9 @@ class PagedKVCache:
         return self._lengths[self._check_layer(layer)]
 
     def memory(self) -> dict:
-        """Bytes held: ``device_bytes`` (resident buffers, slots, tails) and ``host_bytes``
+        """Bytes held: ``device_bytes`` (resident buffers and slots) and ``host_bytes``
         (host pages, used or free)."""
-        tensors = [*self._buffers.values(), *self._tails.values(), *(s.buffer for s in self._slots)]
+        tensors = [*self._buffers.values(), *(s.buffer for s in self._slots)]
         return {
             "device_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "host_bytes": self._pool.host_bytes if self._pool else 0,
@@ -176,7 +178,7 @@ class PagedKVCache:
 
     def check_invariants(self) -> None:
         """RuntimeError unless the page tables and the pool agree (for tests): every page in use
-        belongs to exactly one offloaded layer, and each holds ``length // page_tokens`` pages."""
+        belongs to exactly one offloaded layer, and each holds ``ceil(length / page_tokens)`` pages."""
         owned = [p for pages in self._pages for p in pages]
         if len(owned) != len(set(owned)):
             raise RuntimeError("PagedKVCache: a host page belongs to two layers")
@@ -185,7 +187,7 @@ class PagedKVCache:
             if set(owned) != self._pool._used:
                 raise RuntimeError("PagedKVCache: the pool's pages in use differ from the page tables")
         for layer in range(self.num_layers):
-            expected = 0 if layer in self._resident else self._lengths[layer] // self.page_tokens
+            expected = 0 if layer in self._resident else -(-self._lengths[layer] // self.page_tokens)
             if len(self._pages[layer]) != expected:
                 raise RuntimeError(f"PagedKVCache: layer {layer} holds {len(self._pages[layer])} pages, not {expected}")
         for slot in self._slots:
@@ -246,7 +248,7 @@ class PagedKVCache:
         if self._resident_spec is not None:
             resident = self._resident_spec
         else:
-            resident = self._auto_resident(k.device, layer_bytes, page_bytes)
+            resident = self._auto_resident(k.device, layer_bytes)
         self._resident = set(resident)
         self._offloaded = [i for i in range(self.num_layers) if i not in self._resident]
         self.plan.update(layer_bytes=layer_bytes, page_bytes=page_bytes, resident=len(resident))
@@ -265,10 +267,8 @@ class PagedKVCache:
             _Slot(torch.empty(shape, dtype=k.dtype, device=k.device))
             for _ in range(min(self.slot_count, len(self._offloaded)))
         ]
-        tail = (2, batch, heads, self.page_tokens, head_dim)
-        self._tails = {i: torch.empty(tail, dtype=k.dtype, device=k.device) for i in self._offloaded}
         self._pool = HostPagePool(page_bytes, arena=self._arena)
-        self._pool.reserve(len(self._offloaded) * (self.max_tokens // self.page_tokens))
+        self._pool.reserve(len(self._offloaded) * -(-self.max_tokens // self.page_tokens))
         if k.device.type == "cuda":
             if callable(self._user_streams):
                 self._h2d, self._d2h = self._user_streams(k.device)
@@ -292,7 +292,7 @@ class PagedKVCache:
                      f"run in {slots} device slot{'s' if slots > 1 else ''}")
         return text
 
-    def _auto_resident(self, device: torch.device, layer_bytes: int, page_bytes: int) -> list[int]:
+    def _auto_resident(self, device: torch.device, layer_bytes: int) -> list[int]:
         if device.type != "cuda":
             self.plan.update(budget=None)
             return list(range(self.num_layers))  # nothing to save on the host: keep every layer
@@ -306,14 +306,14 @@ class PagedKVCache:
         self.plan.update(free_vram=free, budget=budget)
         if self.num_layers * layer_bytes <= budget:
             return list(range(self.num_layers))
-        room = budget - self.slot_count * layer_bytes - self.num_layers * page_bytes
+        room = budget - self.slot_count * layer_bytes
         count = min(max(room // layer_bytes, 0), self.num_layers - 1)
         offloaded = set(spread(self.num_layers, self.num_layers - count))
         return [i for i in range(self.num_layers) if i not in offloaded]
 
     def _drop_buffers(self) -> None:
         self._synchronize()
-        self._buffers, self._tails, self._slots = {}, {}, []
+        self._buffers, self._slots = {}, []
         self._pool = None
         self._capacity = 0
         self._h2d = self._d2h = self._d2h_done = None
@@ -349,56 +349,41 @@ class PagedKVCache:
     # ---- offloaded layers -------------------------------------------------
 
     def _update_offloaded(self, layer: int, k: torch.Tensor, v: torch.Tensor, n: int):
-        pt = self.page_tokens
         start = self._lengths[layer]
         end = start + n
-        on_host = len(self._pages[layer])
         if end > self._capacity:
             self._grow_slots(end)
         slot = self._acquire(layer)
         buffer = slot.buffer
         buffer[0, :, :, start:end].copy_(k)
         buffer[1, :, :, start:end].copy_(v)
-        full = end // pt
-        tail = self._tails[layer]
-        if full > on_host:
-            pages = self._pool.allocate(full - on_host)
-            self._scatter(buffer, pages, on_host)
-            self._pages[layer].extend(pages)
-            if end > full * pt:
-                tail[:, :, :, : end - full * pt].copy_(buffer[:, :, :, full * pt : end])
-        elif n:
-            offset = start - on_host * pt
-            tail[0, :, :, offset : offset + n].copy_(k)
-            tail[1, :, :, offset : offset + n].copy_(v)
+        pages = self._pages[layer]
+        short = -(-end // self.page_tokens) - len(pages)
+        if short > 0:
+            pages.extend(self._pool.allocate(short))
+        if n:
+            self._scatter(buffer, layer, start, end)
         slot.tokens = end
         self._lengths[layer] = end
         return buffer[0, :, :, :end], buffer[1, :, :, :end]
 
     def _acquire(self, layer: int) -> _Slot:
         """The slot that holds ``layer``'s tokens so far, filled now where a prefetch did not."""
-        pt = self.page_tokens
-        pages = len(self._pages[layer])
         slot = next((s for s in self._slots if s.layer == layer), None)
         if slot is None:
             slot = self._victim(exclude=self._upcoming[layer]) or self._victim(exclude=())
             self._evict(slot)
             slot.layer = layer
         self._wait_slot(slot)
-        have = slot.tokens
-        if pages:
-            if have >= pages * pt:
+        length = self._lengths[layer]
+        if length:
+            if slot.tokens >= length:
                 self._stats["prefetched" if slot.prefetched else "reused"] += 1
             else:
-                self._gather(slot, have // pt, pages, prefetch=False)
+                self._gather(slot, slot.tokens, length, prefetch=False)
                 self._stats["gathered"] += 1
         slot.prefetched = False
-        begin = max(have, pages * pt)
-        end = self._lengths[layer]
-        if begin < end:
-            tail = self._tails[layer]
-            slot.buffer[:, :, :, begin:end].copy_(tail[:, :, :, begin - pages * pt : end - pages * pt])
-        slot.tokens = end
+        slot.tokens = length
         self._clock += 1
         slot.stamp = self._clock
         return slot
@@ -408,11 +393,11 @@ class PagedKVCache:
         targets = self._upcoming[current]
         protected = {current, *targets}
         for layer in targets:
-            pages = len(self._pages[layer])
-            if not pages:
+            length = self._lengths[layer]
+            if not length:
                 continue
             slot = next((s for s in self._slots if s.layer == layer), None)
-            if slot is not None and slot.tokens >= pages * self.page_tokens:
+            if slot is not None and slot.tokens >= length:
                 continue
             if slot is None:
                 slot = self._victim(exclude=protected)
@@ -420,8 +405,8 @@ class PagedKVCache:
                     return
                 self._evict(slot)
                 slot.layer = layer
-            self._gather(slot, slot.tokens // self.page_tokens, pages, prefetch=True)
-            slot.tokens = pages * self.page_tokens
+            self._gather(slot, slot.tokens, length, prefetch=True)
+            slot.tokens = length
             slot.prefetched = True
             self._clock += 1
             slot.stamp = self._clock
@@ -460,38 +445,53 @@ class PagedKVCache:
         if self._d2h_done is not None:
             current.wait_event(self._d2h_done)
 
-    def _gather(self, slot: _Slot, first: int, pages: int, *, prefetch: bool) -> None:
-        ids = self._pages[slot.layer][first:pages]
-        self._stats["h2d_bytes"] += len(ids) * self._pool.page_bytes
-        addresses = self._pool.addresses(ids)
+    def _copy_tokens(self, buffer: torch.Tensor, layer: int, start: int, end: int, to_pages: bool, stream) -> int:
+        """Copies tokens ``start .. end`` of ``layer`` between ``buffer`` and its host pages, split at
+        page boundaries: whole pages in one native call, a partly covered page at either end in its
+        own. Returns the bytes copied."""
+        pt = self.page_tokens
+        pages = self._pages[layer]
+        runs: list[list[int]] = []  # [first page, last page + 1, offset, tokens]
+        for page in range(start // pt, -(-end // pt)):
+            lo, hi = max(start, page * pt) - page * pt, min(end, page * pt + pt) - page * pt
+            if runs and lo == 0 and hi == pt and runs[-1][2:] == [0, pt]:
+                runs[-1][1] += 1
+            else:
+                runs.append([page, page + 1, lo, hi - lo])
+        extra = {} if stream is None else {"method": self._method(), "stream": stream}
+        for first, stop, offset, tokens in runs:
+            copy_pages(self._pool.addresses(pages[first:stop]), buffer, pt, first, to_pages, offset=offset,
+                       tokens=tokens, **extra)
+        return (end - start) * (self._pool.page_bytes // pt)
+
+    def _gather(self, slot: _Slot, start: int, end: int, *, prefetch: bool) -> None:
+        """Tokens ``start .. end`` of the slot's layer from its host pages into the slot."""
+        layer = slot.layer
         if self._h2d is None:
-            copy_pages(addresses, slot.buffer, self.page_tokens, first, False)
+            self._stats["h2d_bytes"] += self._copy_tokens(slot.buffer, layer, start, end, False, None)
             return
         device = slot.buffer.device
         if not prefetch:  # on the compute stream, which _wait_slot ordered
             stream = torch.cuda.current_stream(device).cuda_stream
-            copy_pages(addresses, slot.buffer, self.page_tokens, first, False, method=self._method(), stream=stream)
+            self._stats["h2d_bytes"] += self._copy_tokens(slot.buffer, layer, start, end, False, stream)
             return
         issued = torch.cuda.Event()
         issued.record(torch.cuda.current_stream(device))
         self._h2d.wait_event(issued)
         if self._d2h_done is not None:
             self._h2d.wait_event(self._d2h_done)
-        copy_pages(
-            addresses, slot.buffer, self.page_tokens, first, False, method=self._method(), stream=self._h2d.cuda_stream
-        )
+        self._stats["h2d_bytes"] += self._copy_tokens(slot.buffer, layer, start, end, False, self._h2d.cuda_stream)
         slot.ready = torch.cuda.Event()
         slot.ready.record(self._h2d)
 
-    def _scatter(self, buffer: torch.Tensor, ids: list[int], first: int) -> None:
-        self._stats["d2h_bytes"] += len(ids) * self._pool.page_bytes
-        addresses = self._pool.addresses(ids)
+    def _scatter(self, buffer: torch.Tensor, layer: int, start: int, end: int) -> None:
+        """Tokens ``start .. end`` of ``layer`` from ``buffer`` into its host pages."""
         if self._d2h is None:
-            copy_pages(addresses, buffer, self.page_tokens, first, True)
+            self._stats["d2h_bytes"] += self._copy_tokens(buffer, layer, start, end, True, None)
             return
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(buffer.device))
         self._d2h.wait_event(written)
-        copy_pages(addresses, buffer, self.page_tokens, first, True, method=self._method(), stream=self._d2h.cuda_stream)
+        self._stats["d2h_bytes"] += self._copy_tokens(buffer, layer, start, end, True, self._d2h.cuda_stream)
         self._d2h_done = torch.cuda.Event()
         self._d2h_done.record(self._d2h)

@@ -27,16 +27,23 @@ class ConcatCache:
 
 
 def copy_pages_reference(
-    pages: list[torch.Tensor], slot: torch.Tensor, page_tokens: int, first_page: int, to_pages: bool
+    pages: list[torch.Tensor],
+    slot: torch.Tensor,
+    page_tokens: int,
+    first_page: int,
+    to_pages: bool,
+    offset: int = 0,
+    tokens: int | None = None,
 ) -> None:
     """What ``ts_kvcache._native.copy_pages`` does, with tensor slicing: each page (raw bytes)
     is ``[2, batch, kv_heads, page_tokens, head_dim]`` of the slot's tokens
-    ``[(first_page + i) * page_tokens, ...)``."""
+    ``[(first_page + i) * page_tokens, ...)``; tokens ``offset .. offset + tokens`` of each move."""
     two, batch, heads, _capacity, head_dim = slot.shape
+    stop = page_tokens if tokens is None else offset + tokens
     for i, raw in enumerate(pages):
-        page = raw.view(slot.dtype).view(two, batch, heads, page_tokens, head_dim)
+        page = raw.view(slot.dtype).view(two, batch, heads, page_tokens, head_dim)[:, :, :, offset:stop]
         start = (first_page + i) * page_tokens
-        window = slot[:, :, :, start : start + page_tokens]
+        window = slot[:, :, :, start + offset : start + stop]
         if to_pages:
             page.copy_(window)
         else:
