@@ -119,6 +119,7 @@ def test_the_plan_is_an_event_of_a_wrapped_models_session(model, monkeypatch):
     assert "layers [2, 3] in host pages of 4 tokens, run in 2 device slots" in messages[0]
 
 
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="generate(cache=) is transformers 5's keyword")
 def test_cache_keyword_of_transformers_5(model):
     inputs = _prompts(seed=6)
     want = model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -154,6 +155,16 @@ def test_bad_arguments_name_the_valid_values(model):
         TrainStreamCache(model, max_tokens=16, resident_layers=9)
     with pytest.raises(ValueError, match="needs a transformers model"):
         TrainStreamCache(torch.nn.Linear(2, 2), max_tokens=16)
+
+
+def test_auto_plan_leaves_room_for_the_models_own_forward(model):
+    """The first forward's MLP and residual tensors for every prompt token, and the last token's
+    logits, are what "auto" leaves free before taking vram_fraction of the rest."""
+    cache = TrainStreamCache(model, max_tokens=16)
+    _generate(model, _prompts(), cache, new=2)
+    per_token = (3 * 128 + 4 * 64) * 4  # float32: intermediate 128, hidden 64
+    assert cache.kv.plan["working_bytes"] == 3 * 11 * per_token + 2 * 3 * 97 * 4
+    assert "working_bytes" not in TrainStreamCache(model, max_tokens=16, resident_layers=2).kv.plan
 
 
 @pytest.mark.cuda

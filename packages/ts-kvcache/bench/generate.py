@@ -101,9 +101,12 @@ def run_one(args) -> dict:
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (args.batch, args.prompt), generator=gen).to(args.device)
+    cache = None
     try:
         with torch.no_grad():
-            _generate(model, ids, _cache(args.engine, model, args.prompt + 8, args), 8, args.prefill_chunk)  # warm-up
+            cache = _cache(args.engine, model, args.prompt + 8, args)
+            _generate(model, ids, cache, 8, args.prefill_chunk)  # warm-up
+            cache = None
             cache = _cache(args.engine, model, args.prompt + args.new, args)
             _sync(args.device)
             start = time.perf_counter()
@@ -111,7 +114,11 @@ def run_one(args) -> dict:
             _sync(args.device)
             elapsed = time.perf_counter() - start
     except torch.OutOfMemoryError as error:
-        result.update(outcome="out of memory", error=str(error).splitlines()[0])
+        result.update(outcome="out of memory", error=str(error).splitlines()[0],
+                      peak_vram_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+        kv = getattr(cache, "kv", None)
+        if kv is not None:  # what the paged cache had planned when the model ran out
+            result.update(plan=kv.plan.get("message"), memory=kv.memory())
         return result
     generated = (out.shape[1] - args.prompt) * args.batch
     result.update(outcome="ok", seconds=round(elapsed, 3), tokens_per_s=round(generated / elapsed, 1),

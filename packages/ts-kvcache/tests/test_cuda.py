@@ -22,7 +22,8 @@ def _random(shape, dtype, gen):
 @pytest.mark.parametrize("method", ["engine", "kernel"])
 @pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 128), (torch.float32, 2), (torch.bfloat16, 3)])  # 16-, 4-, 1-byte paths
 @pytest.mark.parametrize("to_pages", [False, True])
-def test_cuda_copies_match_reference(method, dtype, dim, to_pages):
+@pytest.mark.parametrize("span", [None, (3, 1), (0, 5), (7, 9)])  # whole pages, one token, a head, a tail
+def test_cuda_copies_match_reference(method, dtype, dim, to_pages, span):
     torch.zeros(1, device="cuda")  # torch's context first, so is_pinned() can answer
     gen = torch.Generator().manual_seed(0)
     batch, heads, page_tokens, count, first = 3, 4, 16, 5, 2
@@ -36,11 +37,12 @@ def test_cuda_copies_match_reference(method, dtype, dim, to_pages):
     slot = _random((2, batch, heads, capacity, dim), dtype, gen).cuda()
     want_slot = slot.cpu()
     want_pages = [pool.page(i).clone() for i in ids]
-    copy_pages_reference(want_pages, want_slot, page_tokens, first, to_pages)
+    offset, tokens = span or (0, None)
+    copy_pages_reference(want_pages, want_slot, page_tokens, first, to_pages, offset, tokens)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     _native.copy_pages(pool.addresses(ids), slot, page_tokens, first, to_pages, method=method,
-                       stream=stream.cuda_stream)
+                       stream=stream.cuda_stream, offset=offset, tokens=tokens)
     stream.synchronize()
     assert torch.equal(slot.cpu().view(torch.uint8), want_slot.view(torch.uint8))
     for i, want in zip(ids, want_pages):

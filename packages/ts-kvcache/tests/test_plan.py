@@ -67,3 +67,27 @@ def test_more_free_vram_never_keeps_fewer_layers(layers, free, extra, slots):
     assert len(low) <= len(high)
     if len(low) < layers:  # something offloaded: resident layers and slots fit the budget
         assert len(low) == 0 or (len(low) + slots) * MIB <= free * MIB
+
+
+def test_working_bytes_are_left_free_before_the_fraction(fake_gpu):
+    fake_gpu(free=10 * MIB, total=200 * MIB)
+    seen = []
+
+    def working(keys):
+        seen.append(tuple(keys.shape))
+        return 4 * MIB
+
+    cache = ts_kvcache.PagedKVCache(8, 1024, vram_fraction=0.5, working_bytes=working)
+    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 4 * MIB)) == 1  # 0.5 x (10 - 4) - 2 slots
+    assert cache.plan["budget"] == 3 * MIB and cache.plan["working_bytes"] == 4 * MIB
+    plain = ts_kvcache.PagedKVCache(8, 1024, vram_fraction=0.5)
+    assert len(plain._auto_resident(torch.device("cuda", 0), MIB)) == 3  # 0.5 x 10 - 2 slots
+    # On the CPU the function is called with the first update's keys; everything stays resident.
+    cache.update(0, torch.zeros(3, 2, 5, 4), torch.zeros(3, 2, 5, 4))
+    assert seen == [(3, 2, 5, 4)] and len(cache.resident) == 8
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+def test_bad_working_bytes_are_refused(bad):
+    with pytest.raises(ValueError, match="working_bytes"):
+        ts_kvcache.PagedKVCache(2, 8, working_bytes=bad)

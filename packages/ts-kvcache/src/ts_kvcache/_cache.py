@@ -57,6 +57,10 @@ class PagedKVCache:
     returns them (default: the cache's own).
     ``arena``: the ``ts_pinned.PinnedArena`` the host pages come from (default: the
     process-wide one).
+    ``working_bytes``: VRAM the caller's own computation needs beside the cache while it
+    generates (its activations, logits), which ``"auto"`` leaves free before taking
+    ``vram_fraction`` of the rest: bytes, or a function of the first update's keys that returns
+    them (TrainStreamCache estimates it from the model's shapes).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class PagedKVCache:
         copy: str = "auto",
         streams: tuple | None = None,
         arena=None,
+        working_bytes=0,
     ):
         self.num_layers = check_int(num_layers, "num_layers", 1)
         self.max_tokens = check_int(max_tokens, "max_tokens", 1)
@@ -87,6 +92,10 @@ class PagedKVCache:
                 "device returning one"
             )
         self._user_streams = streams
+        if not callable(working_bytes) and (isinstance(working_bytes, bool) or not isinstance(working_bytes, int)
+                                            or working_bytes < 0):
+            raise ValueError(f"working_bytes={working_bytes!r} must be a non-negative integer or a function of the keys")
+        self._working_bytes = working_bytes
         self._arena = arena
         self.plan: dict = {}
         self._stats = dict.fromkeys(
@@ -248,7 +257,8 @@ class PagedKVCache:
         if self._resident_spec is not None:
             resident = self._resident_spec
         else:
-            resident = self._auto_resident(k.device, layer_bytes)
+            working = self._working_bytes(k) if callable(self._working_bytes) else self._working_bytes
+            resident = self._auto_resident(k.device, layer_bytes, int(working))
         self._resident = set(resident)
         self._offloaded = [i for i in range(self.num_layers) if i not in self._resident]
         self.plan.update(layer_bytes=layer_bytes, page_bytes=page_bytes, resident=len(resident))
@@ -259,6 +269,10 @@ class PagedKVCache:
             self._upcoming[layer] = [i for i in after if i != layer][:ahead]
         self.plan["plans"] = self.plan.get("plans", 0) + 1
         self.plan["message"] = self._describe(layer_bytes)
+        # Every buffer now, before generation's transient tensors: fewer holes in the allocator's pools.
+        shape = (2, batch, heads, max(capacity, k.shape[-2]), head_dim)
+        for layer in sorted(self._resident):
+            self._buffers[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
         if not self._offloaded:
             return
         shape = (2, batch, heads, capacity, head_dim)
@@ -283,7 +297,9 @@ class PagedKVCache:
         if self._resident_spec is None:
             budget = self.plan.get("budget")
             why = ("auto, on the CPU" if budget is None else
-                   f"auto: {self.vram_fraction:g} of {self.plan['free_vram'] / gib:.2f} GiB free VRAM")
+                   f"auto: {self.vram_fraction:g} of {self.plan['free_vram'] / gib:.2f} GiB free VRAM"
+                   + (f" less {self.plan['working_bytes'] / gib:.2f} GiB for the model's own work"
+                      if self.plan["working_bytes"] else ""))
         text = (f"KV cache: {len(self._resident)} of {self.num_layers} layers in VRAM ({why}), "
                 f"{layer_bytes / gib:.3f} GiB each at {self.max_tokens} tokens")
         if self._offloaded:
@@ -292,9 +308,9 @@ class PagedKVCache:
                      f"run in {slots} device slot{'s' if slots > 1 else ''}")
         return text
 
-    def _auto_resident(self, device: torch.device, layer_bytes: int) -> list[int]:
+    def _auto_resident(self, device: torch.device, layer_bytes: int, working_bytes: int = 0) -> list[int]:
         if device.type != "cuda":
-            self.plan.update(budget=None)
+            self.plan.update(budget=None, working_bytes=working_bytes)
             return list(range(self.num_layers))  # nothing to save on the host: keep every layer
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
@@ -302,8 +318,8 @@ class PagedKVCache:
         # A cap set with torch.cuda.set_per_process_memory_fraction is not in mem_get_info.
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
         free = max(0, min(free, int(fraction * total) - allocated))
-        budget = int(self.vram_fraction * free)
-        self.plan.update(free_vram=free, budget=budget)
+        budget = int(self.vram_fraction * max(0, free - working_bytes))
+        self.plan.update(free_vram=free, working_bytes=working_bytes, budget=budget)
         if self.num_layers * layer_bytes <= budget:
             return list(range(self.num_layers))
         room = budget - self.slot_count * layer_bytes

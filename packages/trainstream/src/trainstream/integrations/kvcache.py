@@ -110,6 +110,23 @@ class _PagedLayer(CacheLayerMixin):
             raise ValueError(_UNSUPPORTED.format(what="selecting batch rows", detail="batch_select_indices"))
 
 
+def generation_working_bytes(text_config):
+    """A function of a forward's keys ``[batch, kv_heads, tokens, head_dim]`` that estimates the VRAM
+    a decoder's forward needs beside its cache and weights at its peak: one MLP's three intermediate
+    tensors and four residual-stream tensors for every token of the forward, and the last token's
+    logits in float32 twice (the logits and the copy sampling makes)."""
+    hidden = int(getattr(text_config, "hidden_size", 0) or 0)
+    intermediate = int(getattr(text_config, "intermediate_size", 0) or 4 * hidden)
+    vocab = int(getattr(text_config, "vocab_size", 0) or 0)
+
+    def estimate(keys: torch.Tensor) -> int:
+        batch, _heads, tokens, _dim = keys.shape
+        per_token = (3 * intermediate + 4 * hidden) * keys.element_size()
+        return batch * tokens * per_token + 2 * batch * vocab * 4
+
+    return estimate
+
+
 def _trainstream_streams(device: torch.device):
     """TrainStream's own H2D and D2H streams of ``device``, so the cache's copies queue with its others."""
     from ..engine.channel import channel_for
@@ -125,8 +142,10 @@ class TrainStreamCache(Cache):
     ``model``: a decoder with full attention in every layer (sliding-window, chunked,
     linear-attention and KV-sharing layers are refused). ``max_tokens``: prompt plus new
     tokens expected. Other arguments as ``ts_kvcache.PagedKVCache`` (``kv_options`` are passed
-    on: ``slots``, ``copy``, ``streams``, ``arena``); on CUDA the copies use TrainStream's
-    H2D / D2H streams unless ``streams`` is given. Greedy or sampling; beam search is refused.
+    on: ``slots``, ``copy``, ``streams``, ``arena``, ``working_bytes``); on CUDA the copies use
+    TrainStream's H2D / D2H streams unless ``streams`` is given. ``"auto"`` leaves VRAM for the
+    model's own forward (its MLP and residual tensors for the tokens of the first forward, and
+    the logits), estimated from the config, before taking ``vram_fraction`` of what is left. Greedy or sampling; beam search is refused.
     Call ``reset()`` before the next prompts; ``.kv`` is the PagedKVCache. On a wrapped model
     each plan (which layers stay in VRAM, and why) is a ``"kvcache"`` event of its session.
     """
@@ -166,6 +185,7 @@ class TrainStreamCache(Cache):
                 + _UNSUPPORTED.format(what="beam search", detail="reorder_cache")
             )
         kv_options.setdefault("streams", _trainstream_streams)
+        kv_options.setdefault("working_bytes", generation_working_bytes(text))
         self.kv = PagedKVCache(
             len(types),
             max_tokens,
