@@ -66,7 +66,8 @@ def _cache(engine: str, model, max_tokens: int, args):
         return DynamicCache(config=model.config, offloading=True)
     from trainstream.integrations.kvcache import TrainStreamCache
 
-    options = {"page_tokens": args.page_tokens, "vram_fraction": args.vram_fraction, "slots": args.slots}
+    options = {"page_tokens": args.page_tokens, "vram_fraction": args.vram_fraction, "slots": args.slots,
+               "copy": args.copy}
     if args.resident is not None:
         options["resident_layers"] = args.resident
     return TrainStreamCache(model, max_tokens, **options)
@@ -126,14 +127,15 @@ def run_one(args) -> dict:
                   weights_gb=round(base / 2**30, 2))
     kv = getattr(cache, "kv", None)
     if kv is not None:
-        result.update(resident=len(kv.resident), offloaded=len(kv.offloaded), stats=kv.stats, memory=kv.memory())
+        result.update(resident=len(kv.resident), offloaded=len(kv.offloaded), stats=kv.stats, memory=kv.memory(),
+                      pinned=kv._pool.pinned if kv._pool is not None else None, plan=kv.plan.get("message"))
     return result
 
 
 def _child(args, engine: str, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--batch", str(batch), "--prompt", str(args.prompt),
            "--new", str(args.new), "--vram-cap-gb", str(args.vram_cap_gb), "--page-tokens", str(args.page_tokens),
-           "--vram-fraction", str(args.vram_fraction), "--slots", str(args.slots)]
+           "--vram-fraction", str(args.vram_fraction), "--slots", str(args.slots), "--copy", args.copy]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     if args.prefill_chunk:
@@ -205,6 +207,7 @@ def main() -> None:
     parser.add_argument("--page-tokens", type=int, default=256)
     parser.add_argument("--vram-fraction", type=float, default=0.5)
     parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--copy", choices=("auto", "engine", "kernel"), default="auto")
     parser.add_argument("--resident", type=int, default=None, help="resident layers (default: auto)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--start-batch", type=int, default=8)
