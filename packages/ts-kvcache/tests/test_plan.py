@@ -78,10 +78,11 @@ def test_working_bytes_are_left_free_before_the_fraction(fake_gpu):
         return 4 * MIB
 
     cache = ts_kvcache.PagedKVCache(8, 1024, vram_fraction=0.5, working_bytes=working)
-    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 4 * MIB)) == 1  # 0.5 x (10 - 4) - 2 slots
-    assert cache.plan["budget"] == 3 * MIB and cache.plan["working_bytes"] == 4 * MIB
+    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 4 * MIB)) == 0  # 10 - 2 x 4 leaves the 2 slots
+    assert cache.plan["budget"] == 2 * MIB and cache.plan["working_bytes"] == 4 * MIB
+    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 1 * MIB)) == 3  # 0.5 x 10 - 2 slots
     plain = ts_kvcache.PagedKVCache(8, 1024, vram_fraction=0.5)
-    assert len(plain._auto_resident(torch.device("cuda", 0), MIB)) == 3  # 0.5 x 10 - 2 slots
+    assert len(plain._auto_resident(torch.device("cuda", 0), MIB)) == 3
     # On the CPU the function is called with the first update's keys; everything stays resident.
     cache.update(0, torch.zeros(3, 2, 5, 4), torch.zeros(3, 2, 5, 4))
     assert seen == [(3, 2, 5, 4)] and len(cache.resident) == 8

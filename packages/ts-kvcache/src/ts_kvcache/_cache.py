@@ -58,9 +58,9 @@ class PagedKVCache:
     ``arena``: the ``ts_pinned.PinnedArena`` the host pages come from (default: the
     process-wide one).
     ``working_bytes``: VRAM the caller's own computation needs beside the cache while it
-    generates (its activations, logits), which ``"auto"`` leaves free before taking
-    ``vram_fraction`` of the rest: bytes, or a function of the first update's keys that returns
-    them (TrainStreamCache estimates it from the model's shapes).
+    generates (its activations, logits): ``"auto"`` takes ``vram_fraction`` of the free VRAM
+    but leaves at least twice this free. Bytes, or a function of the first update's keys that
+    returns them (TrainStreamCache estimates it from the model's shapes).
     """
 
     def __init__(
@@ -318,7 +318,9 @@ class PagedKVCache:
         # A cap set with torch.cuda.set_per_process_memory_fraction is not in mem_get_info.
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
         free = max(0, min(free, int(fraction * total) - allocated))
-        budget = int(self.vram_fraction * max(0, free - working_bytes))
+        # vram_fraction of the free VRAM, but never into twice the caller's estimated working set: the
+        # estimate leaves out attention scores, sampling and the allocator's slack.
+        budget = int(max(0, min(self.vram_fraction * free, free - 2 * working_bytes)))
         self.plan.update(free_vram=free, working_bytes=working_bytes, budget=budget)
         if self.num_layers * layer_bytes <= budget:
             return list(range(self.num_layers))
