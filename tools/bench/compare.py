@@ -126,7 +126,7 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict) -> dict:
     is_trainstream = engine.startswith("trainstream")
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    times, fwd_bwd, losses = [], [], []
+    times, fwd_bwd, losses, retries = [], [], [], []
     timed = device.type == "cuda" and engine in engines.STOCK_TIMED
     try:
         for step in range(scenario["steps"]):
@@ -147,6 +147,8 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+            if device.type == "cuda":  # the allocator freed its cache and retried (a device sync each)
+                retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
         info.pop("failed_in", None)
     except Exception as e:
         result["outcome"] = _failure(e, info["failed_in"])
@@ -161,6 +163,7 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict) -> dict:
     result.update({
         "median_s": statistics.median(times[warm:]) if times else None,
         "steps_s": times,
+        "alloc_retries": retries,
         "losses": losses,
         "fwd_bwd_s": statistics.median(fwd_bwd[warm:]) if fwd_bwd else None,
         "peak_gb": peak(),

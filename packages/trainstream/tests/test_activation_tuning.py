@@ -348,3 +348,60 @@ def test_state_moved_to_vram_after_settling_counts_in_the_watchdog(fake_device):
     with pytest.raises(BatchRefused):
         tuner.forward_tokens(3 * tuner.tokens)
     trainstream.unwrap(model)
+
+
+class CapDevice(FakeDevice):
+    """The fake device, with the allocator retrying (running out of cached VRAM) in every step that
+    keeps more than `safe` blocks' activations."""
+
+    safe = 0
+
+    def alloc_retries(self):  # asked once at the end of each step: did the step just run retry?
+        tuner = self.policy.tuner
+        if tuner.current is not None and len(tuner.current.kept) > self.safe:
+            self.retries += 1
+        return self.retries
+
+
+def test_a_settled_step_at_the_cap_keeps_fewer_blocks_after(monkeypatch):
+    device = CapDevice(_block_bytes(), budget_blocks=3.5, recompute_s=1.0, page_s=3.0)
+    monkeypatch.setattr(activations_module, "Meter", lambda: device)
+    model, opt = trainstream.wrap(Stack(depth=8), lr=1e-3, min_offload_bytes=0)
+    policy = model._trainstream_session.activations
+    device.policy = policy
+    device.safe = 99  # no retries while it measures and settles
+    _run(model, opt, steps=5)
+    report = trainstream.memory_report(model)["activations"]
+    assert report["tuning"]["phase"] == "settled"
+    kept = report["policy"].count("keep")
+    assert kept >= 2 and report["tuning"]["cap_backoffs"] == 0
+    device.safe = 0  # from now on every step that keeps a block runs at the cap
+    _run(model, opt, steps=4)
+    report = trainstream.memory_report(model)
+    assert report["activations"]["policy"].count("keep") == 0
+    assert report["activations"]["tuning"]["cap_backoffs"] >= 2  # halved, then halved again
+    assert any("at the cap: the allocator ran out of cached VRAM" in e for e in report["events"])
+    trainstream.unwrap(model)
+
+
+def test_a_trial_at_the_cap_counts_as_not_fitting(monkeypatch):
+    """The fastest trial ran with allocator retries: the settled setting is the other one."""
+    device = CapDevice(_block_bytes(), recompute_s=3.0, page_s=1.0)  # paging is faster...
+    monkeypatch.setattr(activations_module, "Meter", lambda: device)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    device.policy = model._trainstream_session.activations
+    device.safe = 99
+
+    def paging_hits_the_cap():
+        tuner = device.policy.tuner
+        if tuner.phase == "trial" and tuner.current.paged:
+            device.retries += 1  # ...but runs at the cap
+        return device.retries
+
+    device.alloc_retries = paging_hits_the_cap
+    _run(model, opt, steps=6)
+    report = trainstream.memory_report(model)
+    assert report["activations"]["tuning"]["phase"] == "settled"
+    assert report["activations"]["offloaded_blocks"] == []
+    assert any("counted as not fitting" in e for e in report["events"])
+    trainstream.unwrap(model)

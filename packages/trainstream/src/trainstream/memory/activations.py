@@ -326,5 +326,6 @@ class ActivationPolicy:
         if self.tuner is not None:
             out["tuning"] = {"phase": self.tuner.phase, "history": list(self.tuner.history),
                              "trials": [{"policy": c.policy(len(self.blocks)), "seconds": t, "peak_bytes": p}
-                                        for c, t, p in self.tuner.trials]}
+                                        for c, t, p in self.tuner.trials],
+                             "cap_backoffs": self.tuner.cap_backoffs}
         return out
