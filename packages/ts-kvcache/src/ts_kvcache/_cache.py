@@ -297,9 +297,10 @@ class PagedKVCache:
         if self._resident_spec is None:
             budget = self.plan.get("budget")
             why = ("auto, on the CPU" if budget is None else
-                   f"auto: {self.vram_fraction:g} of {self.plan['free_vram'] / gib:.2f} GiB free VRAM"
-                   + (f" less {self.plan['working_bytes'] / gib:.2f} GiB for the model's own work"
-                      if self.plan["working_bytes"] else ""))
+                   f"auto: {budget / gib:.2f} GiB, {self.vram_fraction:g} of {self.plan['free_vram'] / gib:.2f} GiB "
+                   f"free VRAM" + (f" but at most what leaves twice the model's own "
+                                   f"{self.plan['working_bytes'] / gib:.2f} GiB free" if self.plan["working_bytes"]
+                                   else ""))
         text = (f"KV cache: {len(self._resident)} of {self.num_layers} layers in VRAM ({why}), "
                 f"{layer_bytes / gib:.3f} GiB each at {self.max_tokens} tokens")
         if self._offloaded:
