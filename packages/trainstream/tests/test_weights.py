@@ -41,9 +41,12 @@ def test_streamed_weights_train_bit_for_bit_like_resident_ones(options):
         trainstream.unwrap(model)
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-    streaming = runs[1][2]["params"]["streaming"]
+    params = runs[1][2]["params"]
+    streaming = params["streaming"]
     assert streaming["fetches"] > 0 and streaming["h2d_bytes"] > 0
     assert streaming["peak_resident_blocks"] <= options.get("prefetch_depth", 1) + 2
+    assert sorted(params["paged_blocks"] + params["resident_blocks"]) == list(range(4))
+    assert params["link_bytes_per_s"] > 0  # the fetches' memory copies, timed
 
 
 def test_lora_on_a_streamed_base_is_bit_exact():
@@ -109,3 +112,25 @@ def test_bad_param_offload_is_refused_and_changes_nothing(options, message):
     assert message in str(error.value)
     assert not hasattr(model, "_trainstream_session")
     assert all(torch.equal(p, value) and p.data.data_ptr() == ptr for p, value, ptr in before)
+
+
+def test_the_copy_timer_reads_completed_pairs_and_never_waits():
+    from trainstream.memory.copy_timer import CopyTimer
+
+    class Event:
+        def __init__(self, done, at):
+            self.done, self.at = done, at
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    timer = CopyTimer(pending=2)
+    assert timer.rate() is None
+    timer.host(0.5, 100)
+    assert timer.rate() == 200
+    timer._pending.extend([(Event(True, 0.0), Event(True, 1.0), 300), (Event(True, 0.0), Event(False, 2.0), 400)])
+    assert timer.rate() == 400 / 1.5  # the unfinished pair is not read
+    assert len(timer._pending) == 1

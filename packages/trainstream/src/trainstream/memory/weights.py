@@ -52,12 +52,14 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 import ts_pinned
 
 from ..engine.channel import channel_for
 from ..engine.hooks import EngineHook
+from .copy_timer import CopyTimer
 from .sources import HostSource, PeerSource
 from .streamed_block import (
     StreamedBlock,
@@ -121,6 +123,7 @@ class WeightStreamer:
         self.shared, self.timeout = shared, timeout
         self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 7)
         self.shared_message = None  # what prepare() decided about sharing, for the event log
+        self.copy_timer = CopyTimer()  # the rate the fetches reach while copying
         self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0,
                          "update_waits": 0, "written_back": 0}
         # Trained weights (invariant 5): the newest queued update per block, the blocks whose device copy
@@ -326,12 +329,16 @@ class WeightStreamer:
             h2d = self.channel.h2d
             with torch.cuda.device(self.device), torch.cuda.stream(h2d):
                 b.device.untyped_storage().resize_(b.nbytes)
+                started = self.copy_timer.start(h2d)
                 self.source.copy(index, b.host, b.pinned, b.device, h2d)
+                self.copy_timer.finish(started, h2d, b.nbytes)
                 b.ready = torch.cuda.Event()
                 b.ready.record(h2d)
         else:
             b.device.untyped_storage().resize_(b.nbytes)
+            started = time.perf_counter()
             self.source.copy(index, b.host, False, b.device, None)
+            self.copy_timer.host(time.perf_counter() - started, b.nbytes)
             b.ready = None
         b.used = False
         for slot in b.slots:
@@ -539,4 +546,5 @@ class WeightStreamer:
                 "shared": self.shared_message,
                 "kept_blocks": sorted(self.kept),
                 "resident_blocks": len(self._lru) + len(self._kept_resident), "peak_resident_blocks": self.peak_resident,
+                "link_bytes_per_s": self.copy_timer.rate(),
                 "device_bytes": resident}
