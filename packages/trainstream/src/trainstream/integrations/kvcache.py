@@ -143,9 +143,10 @@ class TrainStreamCache(Cache):
     linear-attention and KV-sharing layers are refused). ``max_tokens``: prompt plus new
     tokens expected. Other arguments as ``ts_kvcache.PagedKVCache`` (``kv_options`` are passed
     on: ``slots``, ``copy``, ``streams``, ``arena``, ``working_bytes``); on CUDA the copies use
-    TrainStream's H2D / D2H streams unless ``streams`` is given. ``"auto"`` leaves VRAM for the
-    model's own forward (its MLP and residual tensors for the tokens of the first forward, and
-    the logits), estimated from the config, before taking ``vram_fraction`` of what is left. Greedy or sampling; beam search is refused.
+    TrainStream's H2D / D2H streams unless ``streams`` is given. ``"auto"`` takes ``vram_fraction``
+    of the free VRAM but leaves twice the model's own forward free (its MLP and residual tensors
+    for the tokens of the first forward, and the logits: ``working_bytes``, estimated from the
+    config). Greedy or sampling; beam search is refused.
     Call ``reset()`` before the next prompts; ``.kv`` is the PagedKVCache. On a wrapped model
     each plan (which layers stay in VRAM, and why) is a ``"kvcache"`` event of its session.
     """

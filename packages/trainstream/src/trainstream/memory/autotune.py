@@ -249,11 +249,11 @@ class ActivationTuner:
             return None
         self.meter.synchronize()
         seconds = self.meter.now() - (self._forward_start or self.meter.now())
-        peak = self.meter.peak()
-        if at_cap > 0 and self.meter.budget() is not None:
-            peak = max(peak, self.meter.budget() + 1)  # a trial that ran at the cap does not fit
+        measured_peak = peak = self.meter.peak()
         self._forward_start = None
         budget = self.meter.budget()
+        if at_cap > 0 and budget is not None:
+            peak = max(peak, budget + 1)  # a trial that ran at the cap does not fit
         m = self.measured
         timed = self._timed_forward()
         if timed is not None:
@@ -281,7 +281,7 @@ class ActivationTuner:
             cap = (f" (the allocator ran out of cached VRAM {at_cap} times and synchronized the GPU: "
                    f"counted as not fitting)" if at_cap > 0 else "")
             self._event(f"trial: {self.describe(self.current)}: {seconds * 1e3:.0f} ms, peak "
-                        f"{self.meter.peak() / GiB:.2f} GiB" + cap)
+                        f"{measured_peak / GiB:.2f} GiB" + cap)
             self._trial += 1
             self._prune(m)
         self.meter.reset_peak()
