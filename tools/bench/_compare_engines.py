@@ -260,13 +260,14 @@ def _wrap(model, opt, kwargs: dict, wrap_options: dict, info: dict):
 
 
 def trainstream_report(model) -> dict:
-    """What the bench keeps from memory_report(model): placements, events, transfers, and the
-    activation and weight reports when the engine has them."""
+    """What the bench keeps from memory_report(model): placements, events, transfers, the recent steps'
+    stalls (with the host AdamW busy time of each), and the activation and weight reports when the engine
+    has them."""
     import trainstream
 
     report = trainstream.memory_report(model)
     out = {"placements": report["optimizer"]["placements"], "events": report["events"],
-           "transfers": report["transfers"]}
+           "transfers": report["transfers"], "stalls": report.get("stalls") or []}
     if report.get("activations") is not None:
         out["activations"] = report["activations"]
     if report.get("params") is not None:

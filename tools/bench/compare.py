@@ -87,6 +87,8 @@ SCENARIOS = {
     "lora_tiny": dict(size="lora-tiny", lora=True, batch=2, seq=64, vram_gb=None, steps=6),
     # Qwen2.5-7B's shape, untied, built in host memory (as a checkpoint loads): its weights alone are 15.2 GB.
     "full7b": dict(size="7b", batch=4, seq=512, vram_gb=24.0, steps=6, host=True),
+    # Qwen2.5-32B's shape, LoRA r=16: the bf16 base is 65.5 GB (trainstream builds it in host memory).
+    "lora32b": dict(size="32b", lora=True, batch=1, seq=512, vram_gb=24.0, steps=8),
 }
 ENGINES = engines.FULL_ENGINES
 EXTRA_ENGINES = engines.FULL_EXTRA + engines.LORA_ENGINES + engines.LORA_EXTRA

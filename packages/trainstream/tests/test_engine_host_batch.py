@@ -55,7 +55,7 @@ def test_batched_host_updates_train_bit_for_bit_like_one_call_each(monkeypatch, 
 
 
 def test_large_tensors_and_different_steps_do_not_join(monkeypatch):
-    """Only small updates of equal step count and hyper-parameters share a call."""
+    """Only updates of equal step count and hyper-parameters share a call, up to BATCH_MAX_VALUES values in all."""
     from trainstream.engine.slots import ParamSlot
 
     def slot(numel: int, step: int = 0, lr: float = 1e-3, index: int = 0) -> ParamSlot:
@@ -66,7 +66,10 @@ def test_large_tensors_and_different_steps_do_not_join(monkeypatch):
         return s
 
     small = slot(10)
-    assert updates._joins(small, slot(10, index=1))
-    assert not updates._joins(small, slot(updates.BATCH_MAX_VALUES + 1))
-    assert not updates._joins(small, slot(10, step=1))
-    assert not updates._joins(small, slot(10, lr=2e-3))
+    limit = updates.BATCH_MAX_VALUES
+    assert updates._joins(10, small, slot(10, index=1))
+    assert updates._joins(10, small, slot(limit - 10, index=1))  # exactly at the limit
+    assert not updates._joins(10, small, slot(limit - 9, index=1))
+    assert not updates._joins(limit, small, slot(1, index=1))  # the call is full
+    assert not updates._joins(10, small, slot(10, step=1))
+    assert not updates._joins(10, small, slot(10, lr=2e-3))

@@ -209,18 +209,22 @@ def _finish_updates_at_exit() -> None:
         updater.close()
 
 
-# Host updates of tensors up to this many values that are queued together run as one adamw_steps call
-# (issue 13: for LoRA's small tensors the call, not the arithmetic, was the cost: about 30 us each).
-BATCH_MAX_VALUES = 1 << 16
+# Queued host updates share one adamw_steps call while their values add up to at most BATCH_MAX_VALUES
+# (about a millisecond of host AdamW) and their count to BATCH_MAX_ITEMS. A call's fixed cost (plan, waking
+# the host threads, the worker re-taking the GIL: 50-200 us) was most of a small or mid-size tensor's update
+# (issue 13: LoRA's 82 K to 442 K values per tensor, 896 tensors at the 32B shape); a tensor above the limit
+# runs alone, so its upload starts as soon as it is done.
+BATCH_MAX_VALUES = 1 << 22
 BATCH_MAX_ITEMS = 64
-# Small updates wake the worker once this many are queued (or at a flush: step(), any wait), so they queue
-# together instead of each waking it: woken per item, the worker kept up and ran them one by one.
+# Updates below the limit wake the worker once this many are queued (or at a flush: step(), any wait), so they
+# queue together instead of each waking it: woken per item, the worker kept up and ran them one by one.
 WAKE_AFTER_SMALL = 16
 
 
-def _joins(first: ParamSlot, other: ParamSlot) -> bool:
-    """Whether `other`'s update may run in the same host call as `first`'s (see BATCH_MAX_VALUES)."""
-    return (other.numel <= BATCH_MAX_VALUES and first.numel <= BATCH_MAX_VALUES and other.step == first.step
+def _joins(batch_values: int, first: ParamSlot, other: ParamSlot) -> bool:
+    """Whether `other`'s update may join a host call that starts with `first`'s and holds `batch_values`
+    values so far (see BATCH_MAX_VALUES)."""
+    return (batch_values + other.numel <= BATCH_MAX_VALUES and other.step == first.step
             and other.exp_avg.dtype == first.exp_avg.dtype
             and (other.out_host is other.master) == (first.out_host is first.master)
             and other.hyper == first.hyper)
@@ -320,10 +324,12 @@ class HostUpdater:
                     item = self._items.popleft()
                     if item is None:
                         return
-                    batch = [item]  # small updates queued behind it with the same hyper-parameters join it
+                    batch = [item]  # updates queued behind it with the same hyper-parameters join it
+                    values = item[1].numel
                     while (len(batch) < BATCH_MAX_ITEMS and self._items and self._items[0] is not None
-                           and _joins(item[1], self._items[0][1])):
+                           and _joins(values, item[1], self._items[0][1])):
                         batch.append(self._items.popleft())
+                        values += batch[-1][1].numel
                     self._apply(batch)
         finally:
             self._running = False
