@@ -182,6 +182,62 @@ def test_the_offloader_alone_on_a_plain_model():
     offloader.detach()
 
 
+class _Copied:
+    """A copy's completion token on the recording channel below (complete at once, as on the CPU)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _RecordingChannel:
+    """The CPU channel, with a token per device-to-host copy (keyed by the host memory it wrote) and a
+    record of what each page's fetch was ordered after."""
+
+    is_cuda = False
+
+    def __init__(self, inner):
+        self.inner, self.stats = inner, inner.stats
+        self.written: dict[int, _Copied] = {}
+        self.fetches: list[tuple[int, object]] = []
+
+    def mark_compute(self):
+        return None
+
+    def to_host(self, src, dst, after):
+        self.inner.to_host(src, dst, after)
+        self.written[dst.data_ptr()] = token = _Copied()
+        return token
+
+    def to_new_device_tensor(self, src, shape, stride, dtype, after):
+        self.fetches.append((src.data_ptr(), after))
+        return self.inner.to_new_device_tensor(src, shape, stride, dtype, None)
+
+    def compute_wait(self, token) -> None:
+        pass
+
+
+def test_a_page_comes_back_only_after_its_copy_to_the_host():
+    """Backward can reach the last paged block while its pages' D2H copies are in flight: each fetch is
+    ordered after the copy that wrote its host block (on the H200 a fetch that was not read stale bytes)."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    offloader = ActivationOffloader(list(model.layers), [0, 1, 2, 3], device=torch.device("cpu"), min_bytes=0,
+                                    prefetch_depth=2).attach()
+    channel = offloader.channel = _RecordingChannel(offloader.channel)
+    x = torch.randn(4, 8, 32)
+    model(x).backward()
+    reference(x).backward()
+    offloader.detach()
+    assert len(channel.fetches) == offloader.stats()["pages"] >= 4 * 3
+    for host, after in channel.fetches:
+        assert after is not None and after is channel.written[host]
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+
+
 @settings(max_examples=40, deadline=None)
 @given(shapes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=12),
        order=st.randoms(use_true_random=False))

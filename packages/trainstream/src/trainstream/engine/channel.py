@@ -77,6 +77,12 @@ class HostChannel:
         self.stats.count("h2d", src.numel() * src.element_size())
         return None
 
+    def to_new_device_tensor(self, src: torch.Tensor, shape, stride, dtype: torch.dtype, after) -> tuple:
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+        t.as_strided((t.numel(),), (1,)).copy_(src)  # a new dense tensor: its memory order from offset 0
+        self.stats.count("h2d", src.numel() * src.element_size())
+        return t, None
+
     def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied, event=None) -> None:
         wait_applied(sequence)
 
@@ -129,6 +135,25 @@ class CudaChannel:
         marks.last_event = done
         self.stats.count("h2d", src.numel() * src.element_size())
         return done
+
+    def to_new_device_tensor(self, src: torch.Tensor, shape, stride, dtype: torch.dtype,
+                             after: torch.cuda.Event | None) -> tuple:
+        """A new device tensor of `shape` / `stride` filled from `src` (pinned host, in the tensor's memory
+        order) on the H2D stream, once `after` (the copy that wrote `src`) is complete; (tensor, event).
+
+        The tensor is allocated while the H2D stream is current: memory the compute stream just freed may
+        still be read by its queued kernels, and only the stream that freed a block may reuse it at once (a
+        copy on another stream into compute-freed memory corrupted training: NaN at 4 x 2048, H200
+        2026-12-01). The caller hands it to the stream that uses it (``record_stream``)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            if after is not None:
+                self.h2d.wait_event(after)
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+            t.as_strided((t.numel(),), (1,)).copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+        self.stats.count("h2d", src.numel() * src.element_size())
+        return t, done
 
     def order_compute_after(self, marks: UploadMarks, sequence: int, wait_applied: WaitApplied,
                             event: torch.cuda.Event | None = None) -> None:

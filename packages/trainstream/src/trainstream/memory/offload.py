@@ -5,8 +5,8 @@ While a paged block runs forward, every tensor autograd saves for backward goes 
 not a parameter or buffer) is copied on the D2H stream into a block of the pinned arena and its
 VRAM is released once the copy is done; autograd keeps a ``Page`` in its place. In backward, the
 first page a block needs brings back all of that block's pages, and those of the next
-``prefetch_depth`` paged blocks, on the H2D stream; the compute stream waits for a page only when
-autograd unpacks it.
+``prefetch_depth`` paged blocks, on the H2D stream, each after its own D2H copy; the compute stream
+waits for a page only when autograd unpacks it.
 
 Invariants: a page's host block is returned to the arena only after every copy that reads it has
 completed (a page that dies retires its block with the event of its last copy; retired blocks are
@@ -208,30 +208,14 @@ class ActivationOffloader:
         return t
 
     def _fetch(self, page: Page) -> None:
+        """Brings `page` back on the H2D stream, after its D2H copy (backward can reach the last paged
+        block while the copies of its pages are still in flight: a fetch reading the host block before
+        then read stale bytes; NaN on the H200, 2026-12-03)."""
         if page.fetched is not None or page.host is None:
             return
-        page.fetched, page.fetched_event = self._upload(page.host.view(page.dtype), page)
+        page.fetched, page.fetched_event = self.channel.to_new_device_tensor(
+            page.host.view(page.dtype), page.shape, page.stride, page.dtype, after=page.done_d2h)
         self.counters["h2d_bytes"] += page.host.numel()
-
-    def _upload(self, src: torch.Tensor, page: Page):
-        """A device tensor of the page's layout, filled from `src` on the H2D stream, and the copy's event.
-
-        It is allocated while the H2D stream is current: memory the compute stream just freed may
-        still be read by its queued kernels, and only the stream that freed a block may reuse it
-        at once (a copy on another stream into compute-freed memory corrupted training: NaN at
-        4 x 2048, found on the H200 2026-12-01)."""
-        self.channel.stats.count("h2d", src.numel() * src.element_size())
-        if not self.channel.is_cuda:
-            t = torch.empty_strided(page.shape, page.stride, dtype=page.dtype, device=self.device)
-            flat(t).copy_(src)
-            return t, None
-        h2d = self.channel.h2d
-        with torch.cuda.device(self.device), torch.cuda.stream(h2d):
-            t = torch.empty_strided(page.shape, page.stride, dtype=page.dtype, device=self.device)
-            flat(t).copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(h2d)
-        return t, done
 
     def _fetch_block(self, index: int) -> None:
         alive = [p for p in (ref() for ref in self._pages[index]) if p is not None]
