@@ -68,13 +68,18 @@ class HostChannel:
         return None
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, after) -> None:
-        dst.copy_(src)
-        self.stats.count("d2h", src.numel() * src.element_size())
+        return self.to_host_many([src], [dst], after)
+
+    def to_host_many(self, sources: list[torch.Tensor], targets: list[torch.Tensor], after) -> None:
+        for src, dst in zip(sources, targets, strict=True):
+            dst.copy_(src)
+            self.stats.count("d2h", src.numel() * src.element_size())
         return None
 
-    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks) -> None:
-        dst.copy_(src)
-        self.stats.count("h2d", src.numel() * src.element_size())
+    def upload_many(self, sources: list[torch.Tensor], targets: list[torch.Tensor], marks: UploadMarks) -> None:
+        for src, dst in zip(sources, targets, strict=True):
+            dst.copy_(src)
+            self.stats.count("h2d", src.numel() * src.element_size())
         return None
 
     def to_new_device_tensor(self, src: torch.Tensor, shape, stride, dtype: torch.dtype, after) -> tuple:
@@ -117,23 +122,34 @@ class CudaChannel:
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
         """Queues src (device) -> dst (pinned host) on the D2H stream after `after`.
         src's memory is handed to the D2H stream, so the caller may drop it at once."""
+        return self.to_host_many([src], [dst], after)
+
+    def to_host_many(self, sources: list[torch.Tensor], targets: list[torch.Tensor],
+                     after: torch.cuda.Event) -> torch.cuda.Event:
+        """to_host for several pairs: one wait, the copies in order, one event after the last."""
         self.d2h.wait_event(after)
         with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(self.d2h)
+            for src, dst in zip(sources, targets, strict=True):
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.d2h)
             done = torch.cuda.Event()
             done.record(self.d2h)
-        self.stats.count("d2h", src.numel() * src.element_size())
+        for src in sources:
+            self.stats.count("d2h", src.numel() * src.element_size())
         return done
 
-    def upload(self, src: torch.Tensor, dst: torch.Tensor, marks: UploadMarks) -> torch.cuda.Event:
-        """Queues src (pinned host) -> dst (device) on the H2D stream; the newest upload's event goes to `marks`."""
+    def upload_many(self, sources: list[torch.Tensor], targets: list[torch.Tensor],
+                    marks: UploadMarks) -> torch.cuda.Event:
+        """Queues each src (pinned host) -> dst (device) on the H2D stream, in order; one event after the
+        last, which also goes to `marks` (the newest upload)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-            dst.copy_(src, non_blocking=True)
+            for src, dst in zip(sources, targets, strict=True):
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.h2d)
         marks.last_event = done
-        self.stats.count("h2d", src.numel() * src.element_size())
+        for src in sources:
+            self.stats.count("h2d", src.numel() * src.element_size())
         return done
 
     def to_new_device_tensor(self, src: torch.Tensor, shape, stride, dtype: torch.dtype,

@@ -25,6 +25,7 @@ import ts_pinned
 
 from . import interrupts
 from .channel import UploadMarks, channel_for
+from .buckets import GradBuckets
 from .hooks import EngineHook
 from .slots import ParamSlot, SlotState, grad_in_memory_order
 from .updates import (
@@ -46,6 +47,12 @@ def _data_parallel(slots, device, events, enabled, settings):
     from ..distributed import setup  # imported here: trainstream.distributed imports engine.slots
 
     return setup(slots, device, events, enabled=enabled, settings=settings)
+
+
+def _check_dense(slot: ParamSlot, grad: torch.Tensor) -> None:
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise ValueError(f"{slot.label} has a {grad.layout} gradient; trainstream trains dense gradients only "
+                         f"(use sparse=False in the embedding)")
 
 
 class UpdateFailed(RuntimeError):
@@ -90,6 +97,10 @@ class UpdateEngine:
         self._held_grads: tuple | None = None
         self._dormant = [s for s in slots if s.state is S.DORMANT]
         self._grad_hook = EngineHook(self._on_grad)
+        self.buckets = GradBuckets()  # host-placed gradients leave a bucket at a time (buckets.py)
+        self._after_backward_hook = EngineHook(self._after_backward)
+        self._after_backward_queued = False
+        self.d2h_launches = 0  # gradient D2H launches (one per bucket taken, or per gradient taken alone)
         # Streamed slots (slots.py, invariant 7): set by the session to its WeightStreamer, which gives each
         # its host copy (``host_copy``) and hears of each queued update (``update_queued``).
         self.streamer = None
@@ -124,6 +135,7 @@ class UpdateEngine:
         never under data parallel."""
         at_step = (slot.placement == "device" or (slot.placement == "mapped" and self.fused_mapped)
                    or self.step_hook is not None)
+        self.buckets.invalidate()
         if at_step and slot.hook is not None:
             slot.hook.remove()
             slot.hook = None
@@ -149,12 +161,22 @@ class UpdateEngine:
         if slot.state is S.ARRIVED:
             raise RuntimeError(f"{slot.label} received a second gradient before step(); with max_grad_norm, "
                                f"declare accumulation_steps=N or call step() after each backward")
+        if not self.buckets.valid:
+            self._rebuild_buckets()
         with interrupts.critical():
             if slot.micro + 1 < self.accumulation_steps:
                 slot.micro += 1
                 slot.move(S.ACCUMULATING)  # keep summing in param.grad, as autograd does
                 return
-            self._take(slot)
+            bucket = self.buckets.of(slot)
+            if bucket is None:
+                self._take(slot)
+                return
+            full = self.buckets.arrive(bucket, slot)
+            if full is not None:
+                self._take_host(full)
+                return
+        self._take_pending_after_backward()
 
     def _take(self, slot: ParamSlot) -> None:
         """IDLE / ACCUMULATING with a complete gradient in param.grad -> ARRIVED, QUEUED or (device) IDLE.
@@ -162,27 +184,16 @@ class UpdateEngine:
         grad = slot.param.grad
         if grad is None:
             return
-        if grad.is_sparse or grad.layout != torch.strided:
-            raise ValueError(f"{slot.label} has a {grad.layout} gradient; trainstream trains dense gradients only "
-                             f"(use sparse=False in the embedding)")
+        if slot.placement == "host":
+            self._take_host([slot])
+            return
+        _check_dense(slot, grad)
         immediate = self.max_grad_norm is None
         hyper = hyper_of(slot, 1.0, self.seed) if immediate else None
         self._follow_user_edit(slot)
-        on_host = slot.placement == "host"
-        src = grad_in_memory_order(grad.detach(), slot.param) if on_host or immediate else None
-        after = self.channel.mark_compute()  # after any layout copy above, which the D2H copy reads
-        if on_host:
-            token = self.channel.to_host(src, slot.grad_host, after)
-            slot.param.grad = None  # its memory now belongs to the D2H stream
-            slot.micro = 0
-            slot.grad_token = token
-            if immediate:
-                slot.hyper = hyper
-                slot.move(S.QUEUED)
-                slot.written = self._submit(slot)
-            else:
-                slot.move(S.ARRIVED)
-        elif immediate:
+        src = grad_in_memory_order(grad.detach(), slot.param) if immediate else None
+        if immediate:
+            after = self.channel.mark_compute()  # after the layout copy above, which the update reads
             slot.written = self._device_done = launch_device_update(slot, src, hyper, self.channel, after)
             slot.step += 1
             slot.param.grad = None
@@ -192,10 +203,70 @@ class UpdateEngine:
             slot.micro = 0
             slot.move(S.ARRIVED)  # device gradients wait in param.grad for the norm
 
-    def _submit(self, slot: ParamSlot) -> int:
+    def _take_host(self, slots: list[ParamSlot]) -> None:
+        """Host slots with complete gradients in param.grad -> QUEUED (their updates queued) or, with
+        clipping, ARRIVED: one event after the compute that produced them, one D2H launch for all, one
+        check per param group, the worker woken once. Runs inside a critical section; everything that
+        can fail comes before the first change."""
+        slots = [s for s in slots if s.param.grad is not None]
+        if not slots:
+            return
+        for s in slots:
+            _check_dense(s, s.param.grad)
+        immediate = self.max_grad_norm is None
+        hypers = group_hypers(slots, 1.0, self.seed) if immediate else None
+        for s in slots:
+            self._follow_user_edit(s)
+        sources = [grad_in_memory_order(s.param.grad.detach(), s.param) for s in slots]
+        after = self.channel.mark_compute()  # after any layout copy above, which the D2H copies read
+        token = self.channel.to_host_many(sources, [s.grad_host for s in slots], after)
+        self.d2h_launches += 1
+        for s in slots:
+            s.param.grad = None  # its memory now belongs to the D2H stream
+            s.micro = 0
+            s.grad_token = token
+            if immediate:
+                s.hyper = hypers[id(s.group)]
+                s.move(S.QUEUED)
+                s.written = self._submit(s, wake=False)
+            else:
+                s.move(S.ARRIVED)
+        self.host.flush()
+
+    # ---- gradient buckets (buckets.py) ----------------------------------------------------
+
+    def _rebuild_buckets(self) -> None:
+        self._take_pending()
+        self.buckets.build(self.slots)
+
+    def _take_pending(self) -> None:
+        """Takes the gradients waiting in partly filled buckets (their parameters got no gradient this pass)."""
+        with interrupts.critical():
+            pending = self.buckets.take_pending()
+            if pending:
+                self._take_host(pending)
+
+    def _take_pending_after_backward(self) -> None:
+        """The partly filled buckets are taken when this backward pass ends (an autograd final callback,
+        queued once per pass), so no gradient waits into the next pass; called by hand outside backward,
+        at once."""
+        if self._after_backward_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_hook)
+        except RuntimeError:  # not inside a backward pass
+            self._take_pending()
+            return
+        self._after_backward_queued = True
+
+    def _after_backward(self) -> None:
+        self._after_backward_queued = False
+        self._take_pending()
+
+    def _submit(self, slot: ParamSlot, wake: bool = True) -> int:
         """Queues a QUEUED slot's host update (inside a critical section); a streamed weight's block
         learns that its device copy is stale and which update its next fetch waits for."""
-        sequence = self.host.submit(slot)
+        sequence = self.host.submit(slot, wake)
         if slot.streamed:
             self.streamer.update_queued(slot.streamed_block, sequence)
         return sequence
@@ -212,6 +283,8 @@ class UpdateEngine:
         """Takes gradients still accumulating, applies clipping, queues the remaining updates, and
         (guard_params) orders every later read of a weight after its update."""
         self.raise_errors()
+        self._after_backward_queued = False  # a backward pass that raised never ran its final callback
+        self._take_pending()
         self._release_grads()
         self.activate_unfrozen()
         if self.step_hook is not None:
@@ -362,7 +435,10 @@ class UpdateEngine:
         self._clip_scale = None
 
     def discard(self) -> None:
-        """zero_grad(): gradients held for a step that never came are dropped."""
+        """zero_grad(): gradients held for a step that never came are dropped. Gradients still in a bucket
+        (a backward pass that raised) are taken first, as they would have been one at a time."""
+        self._after_backward_queued = False
+        self._take_pending()
         for s in self.slots:
             with interrupts.critical():
                 if s.state is S.ARRIVED:
@@ -452,5 +528,6 @@ class UpdateEngine:
                 self.host.close()
             finally:
                 self._grad_hook.disable()
+                self._after_backward_hook.disable()
                 if self.step_hook is not None:
                     self.step_hook.close()  # data parallel: its gradient hooks come off

@@ -230,6 +230,11 @@ def _joins(batch_values: int, first: ParamSlot, other: ParamSlot) -> bool:
             and other.hyper == first.hyper)
 
 
+def _distinct(tokens: list) -> list:
+    """The tokens that are not None, each once, in order."""
+    return list({id(t): t for t in tokens if t is not None}.values())
+
+
 class HostUpdater:
     """The worker thread that applies host updates in sequence order and uploads the results.
 
@@ -259,13 +264,14 @@ class HostUpdater:
 
     # ---- main thread ------------------------------------------------------------
 
-    def submit(self, slot: ParamSlot) -> int:
-        """Queues `slot`'s update (slot already QUEUED, hyper set); returns its sequence.
+    def submit(self, slot: ParamSlot, wake: bool = True) -> int:
+        """Queues `slot`'s update (slot already QUEUED, hyper set); returns its sequence. Without `wake`
+        the caller flush()es after queueing the rest of its updates (a gradient bucket).
         The caller holds interrupts.critical(): the append and the count move together."""
         sequence = self.submitted + 1
         self._items.append((sequence, slot))
         self.submitted = sequence
-        if slot.numel > BATCH_MAX_VALUES or len(self._items) >= WAKE_AFTER_SMALL:
+        if wake and (slot.numel > BATCH_MAX_VALUES or len(self._items) >= WAKE_AFTER_SMALL):
             self._wake.set()
         return sequence
 
@@ -335,17 +341,18 @@ class HostUpdater:
             self._running = False
 
     def _apply(self, batch: list[tuple[int, ParamSlot]]) -> None:
-        """One host call for the batch's updates, then each new weight's upload. Rounding streams are keyed
+        """One host call for the batch's updates, then one launch of their uploads. Rounding streams are keyed
         by the parameter's index under the run's seed, as the CUDA updates are, so a parameter rounds the
         same alone, in a batch, or on the GPU."""
         slots = [slot for _, slot in batch]
         applied = False
         error = None
         try:
-            for slot in slots:
-                self._channel.host_wait(slot.grad_token)
-                # The previous upload (a streamed weight: the newest fetch of its block) reads out_host: it must be done.
-                self._channel.host_wait(slot.upload_event)
+            # The gradients' copies, and the previous uploads (a streamed weight: the newest fetch of its block),
+            # which read out_host, must be done. A bucket's slots share their tokens: each is waited for once
+            # (a wait re-takes the GIL from the training loop).
+            for token in _distinct([s.grad_token for s in slots] + [s.upload_event for s in slots]):
+                self._channel.host_wait(token)
             self._adamw(slots)
             applied = True
         except BaseException as failure:  # reported once, at the next sync point
@@ -355,14 +362,18 @@ class HostUpdater:
             for item in batch:
                 self._apply([item])
             return
-        for sequence, slot in batch:
-            failed = error
-            if applied and not slot.streamed:  # a streamed weight's next fetch carries it (slots.py, invariant 7)
-                try:
-                    slot.upload_event = self._channel.upload(slot.out_host, flat(slot.param.data), self._marks)
-                except BaseException as failure:
-                    failed = failure
-            self._handled(sequence, slot, applied, failed)
+        # The new weights go up in one launch (a streamed weight's next fetch carries it: slots.py, invariant 7).
+        uploads = [slot for slot in slots if applied and not slot.streamed]
+        upload_error = None
+        if uploads:
+            try:
+                event = self._channel.upload_many([s.out_host for s in uploads], [flat(s.param.data) for s in uploads],
+                                                  self._marks)
+                for s in uploads:
+                    s.upload_event = event
+            except BaseException as failure:  # every weight of the launch counts as not written back
+                upload_error = failure
+        self._handled(batch, applied, error, upload_error)
 
     def _adamw(self, slots: list[ParamSlot]) -> None:
         first = slots[0]
@@ -374,16 +385,19 @@ class HostUpdater:
         self.busy_seconds += time.perf_counter() - started
         self.calls += 1
 
-    def _handled(self, sequence: int, slot: ParamSlot, applied: bool, error: BaseException | None) -> None:
-        with self._lock:  # handled, applied or not: nobody waits forever on this sequence
-            slot.grad_token = slot.hyper = None
-            if applied:
-                slot.step += 1
-                self.updates += 1
-            if error is not None:
-                what = ("its new weight could not be written back (master and moments hold the update)"
-                        if applied else "nothing was changed")
-                self._errors.append((slot, error))
-                self._events.add("error", f"host update of {slot.label} failed ({what}): {error!r}")
-            slot.move(SlotState.IDLE)
-            self.applied = sequence  # last: waiters see the slot IDLE and its step counted first
+    def _handled(self, batch: list[tuple[int, ParamSlot]], applied: bool, error: BaseException | None,
+                 upload_error: BaseException | None) -> None:
+        with self._lock:  # handled, applied or not: nobody waits forever on these sequences
+            for sequence, slot in batch:
+                failed = error if error is not None else (upload_error if not slot.streamed else None)
+                slot.grad_token = slot.hyper = None
+                if applied:
+                    slot.step += 1
+                    self.updates += 1
+                if failed is not None:
+                    what = ("its new weight could not be written back (master and moments hold the update)"
+                            if applied else "nothing was changed")
+                    self._errors.append((slot, failed))
+                    self._events.add("error", f"host update of {slot.label} failed ({what}): {failed!r}")
+                slot.move(SlotState.IDLE)
+                self.applied = sequence  # last: waiters see the slot IDLE and its step counted first
