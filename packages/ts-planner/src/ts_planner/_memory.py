@@ -174,13 +174,22 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     loss += tokens * h * (a + 4) + tokens * 4  # the final norm's fp32 input and the head's input
 
     # Gradients on the device: all of them until step() when the optimizer is there; else the ones in
-    # flight to the host (two blocks' worth, and the embedding / output layer's whole gradient).
+    # flight to the host. An untied output layer's gradient leaves during the loss's backward, two blocks'
+    # worth at a time during the blocks', the embedding's after the last block: one of the three at a time
+    # (the full7b plan added them and over-predicted its peak by 15 %). A tied weight's gradient sums its
+    # output-layer and embedding parts, so autograd holds it through the whole backward.
     if o.optimizer == "gpu":
         grads = trained * trained_dtype
         state = trained * (2 * m + (4 if trained_dtype != 4 and o.master_weights else 0))
         host_state, host_params = 0, 0
     else:
-        grads = 2 * block_trained * trained_dtype + outer_trained * a
+        in_flight = 2 * block_trained * trained_dtype
+        if o.train != "full":
+            grads = in_flight
+        elif shape.tie_word_embeddings:
+            grads = in_flight + outer_trained * a
+        else:
+            grads = max(in_flight, shape.head_params * a, shape.embedding_params * a)
         state = 0
         upload = trained_dtype if trained_dtype != 4 else 0  # the updated weights' staging copy
         host_state, host_params = trained * (4 + 2 * m + trained_dtype + upload), trained
