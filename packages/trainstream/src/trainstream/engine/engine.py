@@ -24,8 +24,8 @@ import ts_adamw
 import ts_pinned
 
 from . import interrupts
-from .channel import UploadMarks, channel_for
 from .buckets import GradBuckets
+from .channel import UploadMarks, channel_for
 from .hooks import EngineHook
 from .slots import ParamSlot, SlotState, grad_in_memory_order
 from .updates import (
