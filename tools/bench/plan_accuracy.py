@@ -16,7 +16,8 @@ leaves the CUDA context apart); the issue asks for |error| <= 10 % for "as run".
 
 --recompute FILE.json ... prices the "as run" choices of saved rows with the current ts-planner, without a
 GPU (the measured peaks stay; the model shape is the scenario's, checked against the row's parameter count):
-what a change of the memory model does to the error of runs already made.
+what a change of the memory model does to the error of runs already made. A compare.py JSON of a LoRA scenario
+counts too: each activation trial of a trainstream row (keep / page / recompute counts and the peak it measured).
 
 Scenarios: compare.py's full1.5b, full1.5b_2k, lora14b, lora14b_2k, plus
   full7b    Qwen2.5-7B shape (untied), full fine-tune, 4 x 512, bf16 weights in host memory before wrap()
@@ -222,6 +223,9 @@ def recompute(paths: list[str]) -> list[dict]:
     for path in paths:
         with open(path) as f:
             saved = json.load(f)
+        if "results" in saved:  # a compare.py file: the activation trials of its LoRA rows
+            out += _trial_rows(path, saved)
+            continue
         for row in saved["rows"]:
             peak, options = row.get("measured_peak_bytes"), row.get("as_run_options")
             if not peak or not options:
@@ -231,6 +235,46 @@ def recompute(paths: list[str]) -> list[dict]:
             before = ((row.get("predicted") or {}).get("as_run") or {}).get("peak_vram_bytes")
             out.append({"scenario": row["scenario"], "file": os.path.basename(path), "measured": peak,
                         "before": before, "before_error": (before - peak) / peak if before else None,
+                        "now": plan.peak_vram_bytes, "now_error": (plan.peak_vram_bytes - peak) / peak,
+                        "now_vram": dict(plan.estimate.vram)})
+    return out
+
+
+def _trial_rows(path: str, saved: dict) -> list[dict]:
+    """compare.py results of LoRA scenarios: each activation trial of a trainstream row (its policy and its
+    measured peak) priced by the current planner. During trials the optimizer state is on the host
+    (offload="auto" moves it only once the policy settled)."""
+    import ast
+
+    import ts_planner
+
+    header = saved.get("header", "")
+    if "{" not in header:  # files written before compare.py's header named the scenario's settings
+        print(f"skipped {os.path.basename(path)}: its header does not give the scenario", file=sys.stderr)
+        return []
+    scenario = ast.literal_eval(header[header.index("{"):header.index("}") + 1])
+    if not scenario.get("lora"):
+        return []
+    config = engines.lora_config()
+    shape = ts_planner.ModelShape.from_config({**engines._shape(scenario["size"]), "model_type": "qwen2",
+                                               "tie_word_embeddings": False})
+    budget = ts_planner.machine_budget(vram_bytes=int(scenario["vram_gb"] * GB), host_bytes=1 << 50, headroom=0.10)
+    out = []
+    for row in saved["results"]:
+        trials = ((row.get("activations") or {}).get("tuning") or {}).get("trials") or []
+        weights = row.get("weights") or {}
+        for trial in trials:
+            policy = trial["policy"]
+            options = ts_planner.Options(
+                batch=scenario["batch"], seq=scenario["seq"], train="lora", lora_rank=config.r,
+                lora_targets=sorted(config.target_modules), adapter_dtype="float32", dtype="bfloat16",
+                quantize=weights.get("quantize"), optimizer="host", keep=policy.count("keep"),
+                page=policy.count("offload"), recompute=policy.count("recompute"),
+                streamed_blocks=len(weights.get("paged_blocks") or []))
+            plan = ts_planner.check_plan(shape, budget, options)
+            peak = trial["peak_bytes"]
+            out.append({"scenario": f"{row['engine']} trial {options.keep}/{options.page}/{options.recompute}",
+                        "file": os.path.basename(path), "measured": peak, "before": None, "before_error": None,
                         "now": plan.peak_vram_bytes, "now_error": (plan.peak_vram_bytes - peak) / peak,
                         "now_vram": dict(plan.estimate.vram)})
     return out
