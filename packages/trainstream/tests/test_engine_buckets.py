@@ -8,7 +8,7 @@ import pytest
 import torch
 import trainstream
 import ts_pinned
-from engine_testing import same_state, snapshot
+from engine_testing import assert_consistent, same_state, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainstream.engine import SlotState, updates
@@ -18,17 +18,31 @@ from trainstream.engine.slots import ParamSlot
 LAYERS = 8
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected backward failure")
+
+
 class Gated(torch.nn.Module):
-    """Eight small linears; those in ``skip`` sit out a forward (no gradient for them in that pass)."""
+    """Eight small linears; those in ``skip`` sit out a forward (no gradient for them in that pass); with
+    ``fail_before`` set, backward raises on its way into that layer (the later layers have their gradients)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(LAYERS))
         self.skip: set[int] = set()
+        self.fail_before: int | None = None
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
+            if i == self.fail_before:
+                x = _FailsInBackward.apply(x)
             if i not in self.skip:
                 x = torch.tanh(layer(x))
         return x.square().mean()
@@ -137,3 +151,54 @@ def test_buckets_hold_consecutive_host_slots_within_the_call_limits(monkeypatch)
     assert full[0] is None and full[1] == [slots[8]] and full[2] == [slots[0], slots[1]]
     buckets.arrive(buckets.of(slots[6]), slots[6])
     assert buckets.has_pending() and buckets.take_pending() == [slots[6]] and not buckets.has_pending()
+
+
+def test_a_backward_pass_that_raises_leaves_its_gradients_to_zero_grad(monkeypatch):
+    """Autograd runs no final callback when backward raises: the complete gradients of a partly filled bucket
+    are taken by zero_grad(), as they were one at a time during that pass, and the next pass (a layer
+    skipped, so its bucket stays short) is taken when it ends again."""
+
+    def run(items: int):
+        monkeypatch.setattr(updates, "BATCH_MAX_ITEMS", items)
+        model, opt = trainstream.wrap(Gated(), lr=1e-2)
+        engine = model._trainstream_session.engine
+        generator = torch.Generator().manual_seed(2)
+        pending = []
+        for fail_before, skip in ((4, set()), (None, {3}), (2, set()), (None, {6})):
+            model.fail_before, model.skip = fail_before, skip
+            try:
+                model(torch.randn(4, 16, generator=generator)).backward()
+            except RuntimeError as error:
+                assert "injected backward failure" in str(error)
+            pending.append(engine.buckets.has_pending())
+            if fail_before is None:
+                opt.step()
+            opt.zero_grad()
+            assert not engine.buckets.has_pending()
+        state = snapshot(model)
+        trainstream.unwrap(model)
+        return state, pending
+
+    alone, _ = run(1)
+    bucketed, pending = run(64)
+    assert _same(alone, bucketed)
+    assert pending == [True, False, True, False]  # right after backward: waiting after the failed passes only
+    assert [s["step"] for s in bucketed][-2:] == [4, 4]  # layer 7 trained in every pass, failed or not
+
+
+def test_a_pass_after_one_that_raised_is_taken_when_it_ends():
+    """A backward pass that raised ran no final callback; the next pass, before any step() or zero_grad(),
+    still has its partly filled bucket taken when it ends (the forward in between says no pass is running)."""
+    model, opt = trainstream.wrap(Gated(), lr=1e-2)
+    engine = model._trainstream_session.engine
+    model.fail_before = 4
+    with pytest.raises(RuntimeError, match="injected backward failure"):
+        model(torch.randn(4, 16)).backward()
+    assert engine.buckets.has_pending()
+    model.fail_before, model.skip = None, {3}
+    model(torch.randn(4, 16)).backward()  # adds to the failed pass's gradients, as autograd does
+    assert not engine.buckets.has_pending()
+    opt.step()
+    opt.zero_grad()
+    assert_consistent(model)
+    trainstream.unwrap(model)

@@ -10,7 +10,9 @@ param group, the updates queued together and the worker woken once (issue 13: pe
 
 Slots whose gradient never comes in a backward pass (a parameter unused by that forward) would hold
 their bucket back: the engine takes every partly filled bucket at the end of each backward pass (an
-autograd final callback) and at ``step()``, so between backward passes no gradient waits here.
+autograd final callback) and at ``step()`` and ``zero_grad()``, so between backward passes no gradient
+waits here, except after a backward pass that raised (autograd runs no final callback then): those wait
+for the next ``step()`` or ``zero_grad()``, or the end of the next backward pass.
 
 State: ``pending`` lists, written by the engine only, inside its critical sections. Invariant: a slot is
 in at most one pending list, with its complete gradient in ``param.grad`` and its state IDLE or
@@ -70,8 +72,11 @@ class GradBuckets:
         return self._of.get(id(slot))
 
     def arrive(self, bucket: Bucket, slot: ParamSlot) -> list[ParamSlot] | None:
-        """Notes `slot`'s complete gradient; the bucket's slots when it is full (its pending list emptied)."""
-        bucket.pending.append(slot)
+        """Notes `slot`'s complete gradient; the bucket's slots when it is full (its pending list emptied).
+        A slot already pending (a backward pass that raised left it; autograd has added the new gradient to
+        the one in ``param.grad``, as for any parameter) is not noted twice."""
+        if slot not in bucket.pending:
+            bucket.pending.append(slot)
         if len(bucket.pending) < len(bucket.slots):
             return None
         full, bucket.pending = bucket.pending, []

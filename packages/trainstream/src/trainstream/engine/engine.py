@@ -142,6 +142,12 @@ class UpdateEngine:
         elif not at_step and slot.hook is None:
             slot.hook = slot.param.register_post_accumulate_grad_hook(self._grad_hook)
 
+    def forward_started(self) -> None:
+        """A forward of the model begins (the root guard): no backward pass is running, so none has a final
+        callback queued (one that raised never ran its own); unfrozen parameters start training."""
+        self._after_backward_queued = False
+        self.activate_unfrozen()
+
     def activate_unfrozen(self) -> None:
         """Parameters frozen at wrap() that have since been unfrozen start training (as torch's would)."""
         for slot in [s for s in self._dormant if s.param.requires_grad and s.owned]:

@@ -54,7 +54,7 @@ class ForwardGuard:
         return wait_owned
 
     def _root_guard(self, _module, _args) -> None:
-        self._engine.activate_unfrozen()
+        self._engine.forward_started()
         self._last_ran, self._ran = (self._ran or self._last_ran), set()
         if self._last_ran is None:
             return
