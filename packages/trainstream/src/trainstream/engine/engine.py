@@ -234,10 +234,10 @@ class UpdateEngine:
             if immediate:
                 s.hyper = hypers[id(s.group)]
                 s.move(S.QUEUED)
-                s.written = self._submit(s, wake=False)
             else:
                 s.move(S.ARRIVED)
-        self.host.flush()
+        if immediate:
+            self._submit(slots)
 
     # ---- gradient buckets (buckets.py) ----------------------------------------------------
 
@@ -269,13 +269,14 @@ class UpdateEngine:
         self._after_backward_queued = False
         self._take_pending()
 
-    def _submit(self, slot: ParamSlot, wake: bool = True) -> int:
-        """Queues a QUEUED slot's host update (inside a critical section); a streamed weight's block
-        learns that its device copy is stale and which update its next fetch waits for."""
-        sequence = self.host.submit(slot, wake)
-        if slot.streamed:
-            self.streamer.update_queued(slot.streamed_block, sequence)
-        return sequence
+    def _submit(self, slots: list[ParamSlot]) -> None:
+        """Queues QUEUED slots' host updates together (inside a critical section), so the worker takes them in
+        one call; each slot's ``written`` is its sequence, and a streamed weight's block learns that its
+        device copy is stale and which update its next fetch waits for."""
+        for slot, sequence in zip(slots, self.host.submit(slots), strict=True):
+            slot.written = sequence
+            if slot.streamed:
+                self.streamer.update_queued(slot.streamed_block, sequence)
 
     def _follow_user_edit(self, slot: ParamSlot) -> None:
         """Invariant 4: a weight written by the user is where its next update starts."""
@@ -311,7 +312,6 @@ class UpdateEngine:
             self._take_resident(resident)
         if self.max_grad_norm is not None:
             self._clip_and_update()
-        self.host.flush()  # the small updates submit() held back start now
         if self.step_hook is not None:
             self.step_hook.after_updates(self)
         if self.guard_params:
@@ -434,7 +434,8 @@ class UpdateEngine:
             for s in host:
                 s.hyper = hypers[id(s.group)]
                 s.move(S.QUEUED)
-                s.written = self._submit(s)
+            if host:
+                self._submit(host)
         device = [s for s in arrived if s.placement != "host"]
         if device:
             self._launch_device(device, self._clip_scale)  # follows the device slots' edits itself

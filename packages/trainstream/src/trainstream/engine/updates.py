@@ -216,9 +216,6 @@ def _finish_updates_at_exit() -> None:
 # runs alone, so its upload starts as soon as it is done.
 BATCH_MAX_VALUES = 1 << 22
 BATCH_MAX_ITEMS = 64
-# Updates below the limit wake the worker once this many are queued (or at a flush: step(), any wait), so they
-# queue together instead of each waking it: woken per item, the worker kept up and ran them one by one.
-WAKE_AFTER_SMALL = 16
 
 
 def _joins(batch_values: int, first: ParamSlot, other: ParamSlot) -> bool:
@@ -252,7 +249,7 @@ class HostUpdater:
         self.submitted = 0
         self.applied = 0
         self.updates = 0
-        self.calls = 0  # ts-adamw host calls made (a batch of small updates is one)
+        self.calls = 0  # ts-adamw host calls made (updates queued together share one)
         self.busy_seconds = 0.0  # wall time inside host AdamW (the worker's own counter)
         self._errors: list[tuple[ParamSlot, BaseException]] = []
         # Liveness as a flag the worker clears on its way out: Thread.is_alive() interrupted by a
@@ -264,27 +261,21 @@ class HostUpdater:
 
     # ---- main thread ------------------------------------------------------------
 
-    def submit(self, slot: ParamSlot, wake: bool = True) -> int:
-        """Queues `slot`'s update (slot already QUEUED, hyper set); returns its sequence. Without `wake`
-        the caller flush()es after queueing the rest of its updates (a gradient bucket).
-        The caller holds interrupts.critical(): the append and the count move together."""
-        sequence = self.submitted + 1
-        self._items.append((sequence, slot))
-        self.submitted = sequence
-        if wake and (slot.numel > BATCH_MAX_VALUES or len(self._items) >= WAKE_AFTER_SMALL):
-            self._wake.set()
-        return sequence
-
-    def flush(self) -> None:
-        """Lets the worker start on everything queued (submit() holds back a few small updates)."""
-        if self._items:
-            self._wake.set()
+    def submit(self, slots: list[ParamSlot]) -> list[int]:
+        """Queues the slots' updates (each already QUEUED, hyper set) in one go, so the worker finds them all
+        and joins them into as few calls as the limits allow; returns their sequences. The caller holds
+        interrupts.critical(): the queue and the count move together."""
+        first = self.submitted + 1
+        items = [(first + i, slot) for i, slot in enumerate(slots)]
+        self._items.extend(items)  # one C call: the worker never sees half of it
+        self.submitted = first + len(items) - 1
+        self._wake.set()
+        return [sequence for sequence, _ in items]
 
     def _wait(self, done) -> None:
         # Polls with short sleeps rather than waiting on a Condition: a KeyboardInterrupt that lands
         # while Condition.wait re-acquires its lock leaves it released and raises a RuntimeError
         # instead (seen in the SIGALRM soak). time.sleep is interrupted cleanly.
-        self.flush()  # what the caller waits for may be held back by submit()
         delay = 0.0
         while not done():
             if not self._running:
