@@ -1,7 +1,8 @@
 """The update engine: gradient hooks, accumulation, clipping, step(), and where updates run.
 
-Without clipping, a host or mapped parameter's update starts the moment autograd has accumulated its
-gradient (the last of ``accumulation_steps`` backward passes), while backward continues. A parameter
+Without clipping, a mapped parameter's update starts the moment autograd has accumulated its gradient
+(the last of ``accumulation_steps`` backward passes), a host parameter's once the rest of its gradient
+bucket has too (``buckets.py``; at the latest when the backward pass ends), while backward continues. A parameter
 whose state is in VRAM (``device``) has no hook: its gradient stays in ``param.grad`` and step()
 updates all of them in one fused multi-tensor launch, as stock fused AdamW does (a hook per tensor
 cost about 200 us of host time each). With
