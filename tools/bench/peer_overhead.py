@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -86,25 +85,20 @@ def train(peer_option, args, device: str) -> dict:
     return result
 
 
-def worker(rank: int, world: int, port: int, out: str, args) -> None:
+def worker(rank: int, world: int, out: str, args) -> None:
     device = args.device
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store, not TCP: with TCP rank 0 serves the store, and a rank 1 still tearing down its gloo
+    # threads when rank 0 had gone aborted ("terminate called without an active exception", twice in CI,
+    # the second time after a barrier before the teardown was added).
+    torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         runs = [train(False, args, device), train("auto", args, device)]
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(runs, f)
-        # Both ranks tear down together: rank 0 holds the TCP store that rank 1's gloo threads still use
-        # (a rank 1 aborting at exit, "terminate called without an active exception", was seen once in CI).
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:
@@ -118,7 +112,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(2, _port(), out, args), nprocs=2, join=True)
+        mp.spawn(worker, args=(2, out, args), nprocs=2, join=True)
         ranks = []
         for rank in range(2):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
