@@ -75,12 +75,15 @@ def _kind(event: dict) -> str | None:
     return None
 
 
-def _gpu_busy_per_step(prof) -> list[dict]:
-    """Per train_step window, seconds of GPU activity: ``busy`` (kernels, copies, memsets: their union),
-    ``kernel``, ``h2d``, ``d2h`` (each class's union) and ``h2d_alone`` (host-to-device copying while no
-    kernel runs: the compute stream waiting on the link), read from the exported chrome trace (the
-    profiler's event list leaves out device work it cannot tie to a host op, e.g. most copies). The GPU
-    is synchronized at every step's end, so a step's work lies between its start and the next one's."""
+def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[dict]:
+    """Per window between two ``marker`` annotations (``record_function(marker)``; the last one runs to
+    the trace's end), seconds of GPU activity: ``busy`` (kernels, copies, memsets: their union),
+    ``kernel``, ``h2d``, ``d2h`` (each class's union), ``h2d_alone`` (host-to-device copying while no
+    kernel runs: the compute stream waiting on the link), ``h2d_bytes``, and with ``top`` the window's
+    ``top`` kernels by time, read from the exported chrome trace (the profiler's event list leaves out
+    device work it cannot tie to a host op, e.g. most copies). A window's work is what lies between its
+    marker and the next: where the GPU is synchronized at every window's end this is exact, otherwise
+    steady-state windows still average right."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -88,18 +91,26 @@ def _gpu_busy_per_step(prof) -> list[dict]:
         with open(f.name) as trace:
             events = json.load(trace)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    steps = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("name") == "train_step" and e.get("cat") == "user_annotation")
-    device_events = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e)) for e in events if _kind(e) and "ts" in e]
+    marks = sorted(e["ts"] for e in events if e.get("name") == marker and e.get("cat") == "user_annotation")
+    device_events = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e), e) for e in events if _kind(e) and "ts" in e]
     out = []
-    for i, (start, _) in enumerate(steps):
-        stop = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
-        mine = [(max(a, start), min(b, stop), k) for a, b, k in device_events if a < stop and b > start]
-        row = {"busy": _union_us([(a, b) for a, b, _k in mine]) / 1e6}
+    for i, start in enumerate(marks):
+        stop = marks[i + 1] if i + 1 < len(marks) else float("inf")
+        mine = [(max(a, start), min(b, stop), k, e) for a, b, k, e in device_events if a < stop and b > start]
+        row = {"busy": _union_us([(a, b) for a, b, _k, _e in mine]) / 1e6}
         for kind in ("kernel", "h2d", "d2h"):
-            row[kind] = _union_us([(a, b) for a, b, k in mine if k == kind]) / 1e6
-        both = _union_us([(a, b) for a, b, k in mine if k in ("kernel", "h2d")]) / 1e6
+            row[kind] = _union_us([(a, b) for a, b, k, _e in mine if k == kind]) / 1e6
+        both = _union_us([(a, b) for a, b, k, _e in mine if k in ("kernel", "h2d")]) / 1e6
         row["h2d_alone"] = both - row["kernel"]
+        row["h2d_bytes"] = sum(int(e.get("args", {}).get("bytes", 0)) for _a, _b, k, e in mine if k == "h2d")
+        if stop != float("inf"):
+            row["wall"] = (stop - start) / 1e6
+        if top:
+            names: dict[str, float] = {}
+            for a, b, k, e in mine:
+                if k == "kernel":
+                    names[e["name"]] = names.get(e["name"], 0.0) + (b - a) / 1e6
+            row["top"] = sorted(names.items(), key=lambda item: -item[1])[:top]
         out.append(row)
     return out
 
@@ -135,7 +146,7 @@ def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, 
             ids = batch()
             _sync(device)
             rows.append(_step(model, opt, ids, device))
-    busy = _gpu_busy_per_step(prof) if device.type == "cuda" else [None] * len(rows)
+    busy = gpu_busy_per_window(prof) if device.type == "cuda" else [None] * len(rows)
     streamed = _streamed_h2d_bytes(model)
     streamed_per_step = (streamed - streamed_before) / len(rows) if streamed is not None else None
     if trace:

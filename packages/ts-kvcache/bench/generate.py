@@ -73,8 +73,9 @@ def _cache(engine: str, model, max_tokens: int, args):
     return TrainStreamCache(model, max_tokens, **options)
 
 
-def _generate(model, ids, cache, new: int, prefill_chunk: int | None = None):
-    extra = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
+def _generate(model, ids, cache, new: int, prefill_chunk: int | None = None, **extra):
+    if prefill_chunk:
+        extra["prefill_chunk_size"] = prefill_chunk
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
@@ -84,6 +85,47 @@ def _generate(model, ids, cache, new: int, prefill_chunk: int | None = None):
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _profile(model, ids, args) -> dict:
+    """One more generate() of ``--profile`` new tokens under torch.profiler, with a fresh cache: per
+    decoding step (the window between two logits calls), GPU time by class (tools/bench/profile_step.py),
+    the medians over the steps after the first two, the link's rate while it copies host-to-device, and
+    the top kernels. Says whether decoding waits on the link, on kernels, or on the host."""
+    import statistics
+    from pathlib import Path
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools" / "bench"))
+    from profile_step import gpu_busy_per_window
+
+    class StepMarker(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            with torch.profiler.record_function("decode_step"):
+                return scores
+
+    cache = _cache(args.engine, model, args.prompt + args.profile, args)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        _generate(model, ids, cache, args.profile, args.prefill_chunk,
+                  logits_processor=LogitsProcessorList([StepMarker()]))
+        _sync(args.device)
+    steps = [w for w in gpu_busy_per_window(prof, "decode_step", top=8) if "wall" in w][2:]
+    if not steps:
+        return {"steps": 0}
+    median = {key: round(statistics.median(w[key] for w in steps) * 1e3, 2)
+              for key in ("wall", "busy", "kernel", "h2d", "d2h", "h2d_alone")}
+    h2d_seconds = sum(w["h2d"] for w in steps)
+    kernels: dict[str, float] = {}
+    for w in steps:
+        for name, seconds in w["top"]:
+            kernels[name] = kernels.get(name, 0.0) + seconds
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
+    return {"steps": len(steps), "median_ms": median,
+            "h2d_gb_per_s_while_copying": round(sum(w["h2d_bytes"] for w in steps) / h2d_seconds / 1e9, 1)
+            if h2d_seconds else None,
+            "top_kernels_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in top]}
 
 
 def run_one(args) -> dict:
@@ -129,6 +171,10 @@ def run_one(args) -> dict:
     if kv is not None:
         result.update(resident=len(kv.resident), offloaded=len(kv.offloaded), stats=kv.stats, memory=kv.memory(),
                       pinned=kv._pool.pinned if kv._pool is not None else None, plan=kv.plan.get("message"))
+    if args.profile:
+        cache = kv = None
+        with torch.no_grad():
+            result["profile"] = _profile(model, ids, args)
     return result
 
 
@@ -209,6 +255,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--copy", choices=("auto", "engine", "kernel"), default="auto")
     parser.add_argument("--resident", type=int, default=None, help="resident layers (default: auto)")
+    parser.add_argument("--profile", type=int, default=0, metavar="NEW",
+                        help="after the timed run, profile one more generate() of NEW tokens: GPU time per step by "
+                             "class (kernels, host-to-device, device-to-host), the link's rate, the top kernels")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--start-batch", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=1024)
