@@ -93,6 +93,7 @@ def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     marks = sorted(e["ts"] for e in events if e.get("name") == marker and e.get("cat") == "user_annotation")
     device_events = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e), e) for e in events if _kind(e) and "ts" in e]
+    runtime = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events if e.get("cat") == "cuda_runtime" and "ts" in e]
     out = []
     for i, start in enumerate(marks):
         stop = marks[i + 1] if i + 1 < len(marks) else float("inf")
@@ -111,6 +112,13 @@ def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[
                 if k == "kernel":
                     names[e["name"]] = names.get(e["name"], 0.0) + (b - a) / 1e6
             row["top"] = sorted(names.items(), key=lambda item: -item[1])[:top]
+            # Where the host waited: CUDA runtime calls by time (a synchronize, or a launch or copy call
+            # that blocked), within the window.
+            calls: dict[str, float] = {}
+            for a, b, e in runtime:
+                if start <= a < stop:
+                    calls[e["name"]] = calls.get(e["name"], 0.0) + (b - a) / 1e6
+            row["runtime_top"] = sorted(calls.items(), key=lambda item: -item[1])[:top]
         out.append(row)
     return out
 

@@ -122,10 +122,16 @@ def _profile(model, ids, args) -> dict:
         for name, seconds in w["top"]:
             kernels[name] = kernels.get(name, 0.0) + seconds
     top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
+    calls: dict[str, float] = {}
+    for w in steps:
+        for name, seconds in w["runtime_top"]:
+            calls[name] = calls.get(name, 0.0) + seconds
+    runtime = sorted(calls.items(), key=lambda item: -item[1])[:6]
     return {"steps": len(steps), "median_ms": median,
             "h2d_gb_per_s_while_copying": round(sum(w["h2d_bytes"] for w in steps) / h2d_seconds / 1e9, 1)
             if h2d_seconds else None,
-            "top_kernels_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in top]}
+            "top_kernels_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in top],
+            "cuda_runtime_ms_per_step": [(name, round(seconds / len(steps) * 1e3, 2)) for name, seconds in runtime]}
 
 
 def run_one(args) -> dict:
