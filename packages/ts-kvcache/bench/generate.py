@@ -134,6 +134,24 @@ def _profile(model, ids, args) -> dict:
             "cuda_runtime_ms_per_step": [(name, round(seconds / len(steps) * 1e3, 2)) for name, seconds in runtime]}
 
 
+def _py_profile(model, ids, args) -> list[str]:
+    """One more generate() of ``--py-profile`` new tokens under cProfile: the host's top functions by
+    own time (where decoding spends host time when the GPU waits for it)."""
+    import cProfile
+    import io
+    import pstats
+
+    cache = _cache(args.engine, model, args.prompt + args.py_profile, args)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _generate(model, ids, cache, args.py_profile, args.prefill_chunk)
+    _sync(args.device)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    return [line for line in out.getvalue().splitlines() if line.strip()][-26:]
+
+
 def run_one(args) -> dict:
     cuda = args.device == "cuda"
     result = {"engine": args.engine, "batch": args.batch, "prompt": args.prompt, "new": args.new,
@@ -181,6 +199,10 @@ def run_one(args) -> dict:
         cache = kv = None
         with torch.no_grad():
             result["profile"] = _profile(model, ids, args)
+    if args.py_profile:
+        cache = kv = None
+        with torch.no_grad():
+            result["py_profile"] = _py_profile(model, ids, args)
     return result
 
 
@@ -264,6 +286,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="NEW",
                         help="after the timed run, profile one more generate() of NEW tokens: GPU time per step by "
                              "class (kernels, host-to-device, device-to-host), the link's rate, the top kernels")
+    parser.add_argument("--py-profile", type=int, default=0, metavar="NEW",
+                        help="after the timed run, cProfile one more generate() of NEW tokens (host functions)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--start-batch", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=1024)
