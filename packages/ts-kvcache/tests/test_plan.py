@@ -78,8 +78,10 @@ def test_working_bytes_are_left_free_before_the_fraction(fake_gpu):
         return 4 * MIB
 
     cache = ts_kvcache.PagedKVCache(8, 1024, vram_fraction=0.5, working_bytes=working)
-    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 4 * MIB)) == 0  # 10 - 2 x 4 leaves the 2 slots
-    assert cache.plan["budget"] == 2 * MIB and cache.plan["working_bytes"] == 4 * MIB
+    # 10 - 1.25 x 6 = 2.5 MiB: the 2 slots, no whole layer beside them
+    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 6 * MIB)) == 0
+    assert cache.plan["budget"] == 10 * MIB - 6 * MIB - 6 * MIB // 4 and cache.plan["working_bytes"] == 6 * MIB
+    assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 4 * MIB + MIB // 2)) == 2  # 10 - 5.625, - 2 slots
     assert len(cache._auto_resident(torch.device("cuda", 0), MIB, 1 * MIB)) == 3  # 0.5 x 10 - 2 slots
     plain = ts_kvcache.PagedKVCache(8, 1024, vram_fraction=0.5)
     assert len(plain._auto_resident(torch.device("cuda", 0), MIB)) == 3

@@ -144,7 +144,7 @@ class TrainStreamCache(Cache):
     tokens expected. Other arguments as ``ts_kvcache.PagedKVCache`` (``kv_options`` are passed
     on: ``slots``, ``copy``, ``streams``, ``arena``, ``working_bytes``); on CUDA the copies use
     TrainStream's H2D / D2H streams unless ``streams`` is given. ``"auto"`` takes ``vram_fraction``
-    of the free VRAM but leaves twice the model's own forward free (its MLP and residual tensors
+    of the free VRAM but leaves 1.25 x the model's own forward free (its MLP and residual tensors
     for the tokens of the first forward, and the logits: ``working_bytes``, estimated from the
     config). Greedy or sampling; beam search is refused.
     Call ``reset()`` before the next prompts; ``.kv`` is the PagedKVCache. On a wrapped model
