@@ -167,6 +167,20 @@ def test_auto_plan_leaves_room_for_the_models_own_forward(model):
     assert "working_bytes" not in TrainStreamCache(model, max_tokens=16, resident_layers=2).kv.plan
 
 
+def test_auto_plan_leaves_room_for_eager_attention_scores(model):
+    """Eager attention materializes its scores (float32, scores and softmax) against up to max_tokens
+    keys: the working estimate counts them; with SDPA it does not."""
+    model.config._attn_implementation = "eager"
+    try:
+        cache = TrainStreamCache(model, max_tokens=16)
+        _generate(model, _prompts(), cache, new=2)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    per_token = (3 * 128 + 4 * 64) * 4
+    scores = 2 * 3 * 4 * 11 * 16 * 4  # batch 3, 4 heads, 11 prompt tokens, 16 keys at most
+    assert cache.kv.plan["working_bytes"] == 3 * 11 * per_token + 2 * 3 * 97 * 4 + scores
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("resident", [0, 2, LAYERS])
