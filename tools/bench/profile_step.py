@@ -94,6 +94,8 @@ def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[
     marks = sorted(e["ts"] for e in events if e.get("name") == marker and e.get("cat") == "user_annotation")
     device_events = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e), e) for e in events if _kind(e) and "ts" in e]
     runtime = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events if e.get("cat") == "cuda_runtime" and "ts" in e]
+    host = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
+            if e.get("cat") in ("cpu_op", "user_annotation") and "ts" in e]
     out = []
     for i, start in enumerate(marks):
         stop = marks[i + 1] if i + 1 < len(marks) else float("inf")
@@ -119,6 +121,13 @@ def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[
                 if start <= a < stop:
                     calls[e["name"]] = calls.get(e["name"], 0.0) + (b - a) / 1e6
             row["runtime_top"] = sorted(calls.items(), key=lambda item: -item[1])[:top]
+            # Host-side ops and annotated ranges (record_function) by time, within the window: what the
+            # host was doing when it was not waiting.
+            ops: dict[str, float] = {}
+            for a, b, e in host:
+                if start <= a < stop and e.get("name") != marker:
+                    ops[e["name"]] = ops.get(e["name"], 0.0) + (b - a) / 1e6
+            row["host_top"] = sorted(ops.items(), key=lambda item: -item[1])[:top]
         out.append(row)
     return out
 

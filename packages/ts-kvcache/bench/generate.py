@@ -106,6 +106,15 @@ def _profile(model, ids, args) -> dict:
                 return scores
 
     cache = _cache(args.engine, model, args.prompt + args.profile, args)
+    kv = getattr(cache, "kv", None)
+    if kv is not None:  # the paged cache's own host time, as an annotated range per update
+        update = kv.update
+
+        def annotated(layer, k, v):
+            with torch.profiler.record_function("PagedKVCache.update"):
+                return update(layer, k, v)
+
+        kv.update = annotated
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         _generate(model, ids, cache, args.profile, args.prefill_chunk,
@@ -127,11 +136,17 @@ def _profile(model, ids, args) -> dict:
         for name, seconds in w["runtime_top"]:
             calls[name] = calls.get(name, 0.0) + seconds
     runtime = sorted(calls.items(), key=lambda item: -item[1])[:6]
+    ops: dict[str, float] = {}
+    for w in steps:
+        for name, seconds in w["host_top"]:
+            ops[name] = ops.get(name, 0.0) + seconds
+    host = sorted(ops.items(), key=lambda item: -item[1])[:10]
     return {"steps": len(steps), "median_ms": median,
             "h2d_gb_per_s_while_copying": round(sum(w["h2d_bytes"] for w in steps) / h2d_seconds / 1e9, 1)
             if h2d_seconds else None,
             "top_kernels_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in top],
-            "cuda_runtime_ms_per_step": [(name, round(seconds / len(steps) * 1e3, 2)) for name, seconds in runtime]}
+            "cuda_runtime_ms_per_step": [(name, round(seconds / len(steps) * 1e3, 2)) for name, seconds in runtime],
+            "host_ops_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in host]}
 
 
 def _py_profile(model, ids, args) -> list[str]:
