@@ -64,6 +64,24 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def sum_by_name(pairs, top: int | None = None) -> list[tuple[str, float]]:
+    """(name, amount) pairs summed per name, largest first (the first ``top``)."""
+    totals: dict[str, float] = {}
+    for name, amount in pairs:
+        totals[name] = totals.get(name, 0.0) + amount
+    return sorted(totals.items(), key=lambda item: -item[1])[:top]
+
+
+def cprofile_top(profiler, top: int) -> list[str]:
+    """A stopped cProfile.Profile's ``top`` functions by own time, as the lines pstats prints (header first)."""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return [line for line in out.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
 def _kind(event: dict) -> str | None:
     """The GPU activity class of a chrome-trace event: "h2d" / "d2h" copies, "kernel" (kernels, memsets,
     device-to-device copies: work that occupies the GPU rather than the link), None for host events."""
@@ -109,25 +127,15 @@ def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[
         if stop != float("inf"):
             row["wall"] = (stop - start) / 1e6
         if top:
-            names: dict[str, float] = {}
-            for a, b, k, e in mine:
-                if k == "kernel":
-                    names[e["name"]] = names.get(e["name"], 0.0) + (b - a) / 1e6
-            row["top"] = sorted(names.items(), key=lambda item: -item[1])[:top]
+            row["top"] = sum_by_name(((e["name"], (b - a) / 1e6) for a, b, k, e in mine if k == "kernel"), top)
             # Where the host waited: CUDA runtime calls by time (a synchronize, or a launch or copy call
             # that blocked), within the window.
-            calls: dict[str, float] = {}
-            for a, b, e in runtime:
-                if start <= a < stop:
-                    calls[e["name"]] = calls.get(e["name"], 0.0) + (b - a) / 1e6
-            row["runtime_top"] = sorted(calls.items(), key=lambda item: -item[1])[:top]
+            row["runtime_top"] = sum_by_name(((e["name"], (b - a) / 1e6) for a, b, e in runtime if start <= a < stop),
+                                             top)
             # Host-side ops and annotated ranges (record_function) by time, within the window: what the
             # host was doing when it was not waiting.
-            ops: dict[str, float] = {}
-            for a, b, e in host:
-                if start <= a < stop and e.get("name") != marker:
-                    ops[e["name"]] = ops.get(e["name"], 0.0) + (b - a) / 1e6
-            row["host_top"] = sorted(ops.items(), key=lambda item: -item[1])[:top]
+            row["host_top"] = sum_by_name(((e["name"], (b - a) / 1e6) for a, b, e in host
+                                           if start <= a < stop and e.get("name") != marker), top)
         out.append(row)
     return out
 
@@ -202,8 +210,6 @@ def _python_profile(model, opt, batch, device, steps: int, top: int) -> list[str
     """cProfile over whole steps (host side): the top functions by own time, with their call counts,
     to tell Python bookkeeping from torch's dispatch."""
     import cProfile
-    import io
-    import pstats
 
     profiler = cProfile.Profile()
     for _ in range(steps):
@@ -212,9 +218,7 @@ def _python_profile(model, opt, batch, device, steps: int, top: int) -> list[str
         profiler.enable()
         _step(model, opt, ids, device)
         profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    return [line for line in out.getvalue().splitlines() if line.strip()][-top - 1:]
+    return cprofile_top(profiler, top)
 
 
 def report(result: dict) -> None:

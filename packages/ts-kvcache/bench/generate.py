@@ -87,18 +87,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _profile_tools():
+    """tools/bench/profile_step.py (the trace and cProfile readers), imported from the repository."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools" / "bench"))
+    import profile_step
+
+    return profile_step
+
+
 def _profile(model, ids, args) -> dict:
     """One more generate() of ``--profile`` new tokens under torch.profiler, with a fresh cache: per
     decoding step (the window between two logits calls), GPU time by class (tools/bench/profile_step.py),
     the medians over the steps after the first two, the link's rate while it copies host-to-device, and
     the top kernels. Says whether decoding waits on the link, on kernels, or on the host."""
     import statistics
-    from pathlib import Path
 
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools" / "bench"))
-    from profile_step import gpu_busy_per_window
+    profile_step = _profile_tools()
 
     class StepMarker(LogitsProcessor):
         def __call__(self, input_ids, scores):
@@ -120,41 +128,29 @@ def _profile(model, ids, args) -> dict:
         _generate(model, ids, cache, args.profile, args.prefill_chunk,
                   logits_processor=LogitsProcessorList([StepMarker()]))
         _sync(args.device)
-    steps = [w for w in gpu_busy_per_window(prof, "decode_step", top=8) if "wall" in w][2:]
+    steps = [w for w in profile_step.gpu_busy_per_window(prof, "decode_step", top=8) if "wall" in w][2:]
     if not steps:
         return {"steps": 0}
     median = {key: round(statistics.median(w[key] for w in steps) * 1e3, 2)
               for key in ("wall", "busy", "kernel", "h2d", "d2h", "h2d_alone")}
     h2d_seconds = sum(w["h2d"] for w in steps)
-    kernels: dict[str, float] = {}
-    for w in steps:
-        for name, seconds in w["top"]:
-            kernels[name] = kernels.get(name, 0.0) + seconds
-    top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
-    calls: dict[str, float] = {}
-    for w in steps:
-        for name, seconds in w["runtime_top"]:
-            calls[name] = calls.get(name, 0.0) + seconds
-    runtime = sorted(calls.items(), key=lambda item: -item[1])[:6]
-    ops: dict[str, float] = {}
-    for w in steps:
-        for name, seconds in w["host_top"]:
-            ops[name] = ops.get(name, 0.0) + seconds
-    host = sorted(ops.items(), key=lambda item: -item[1])[:10]
+
+    def per_step(key: str, top: int) -> list[tuple[str, float]]:  # a per-window top list, over all steps
+        totals = profile_step.sum_by_name((pair for w in steps for pair in w[key]), top)
+        return [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in totals]
+
     return {"steps": len(steps), "median_ms": median,
             "h2d_gb_per_s_while_copying": round(sum(w["h2d_bytes"] for w in steps) / h2d_seconds / 1e9, 1)
             if h2d_seconds else None,
-            "top_kernels_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in top],
-            "cuda_runtime_ms_per_step": [(name, round(seconds / len(steps) * 1e3, 2)) for name, seconds in runtime],
-            "host_ops_ms_per_step": [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in host]}
+            "top_kernels_ms_per_step": per_step("top", 8),
+            "cuda_runtime_ms_per_step": per_step("runtime_top", 6),
+            "host_ops_ms_per_step": per_step("host_top", 10)}
 
 
 def _py_profile(model, ids, args) -> list[str]:
     """One more generate() of ``--py-profile`` new tokens under cProfile: the host's top functions by
     own time (where decoding spends host time when the GPU waits for it)."""
     import cProfile
-    import io
-    import pstats
 
     cache = _cache(args.engine, model, args.prompt + args.py_profile, args)
     profiler = cProfile.Profile()
@@ -162,9 +158,7 @@ def _py_profile(model, ids, args) -> list[str]:
     _generate(model, ids, cache, args.py_profile, args.prefill_chunk)
     _sync(args.device)
     profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
-    return [line for line in out.getvalue().splitlines() if line.strip()][-26:]
+    return _profile_tools().cprofile_top(profiler, 25)
 
 
 def run_one(args) -> dict:
