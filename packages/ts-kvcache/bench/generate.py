@@ -124,13 +124,18 @@ def _profile(model, ids, args) -> dict:
 
         kv.update = annotated
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        _generate(model, ids, cache, args.profile, args.prefill_chunk,
-                  logits_processor=LogitsProcessorList([StepMarker()]))
-        _sync(args.device)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            _generate(model, ids, cache, args.profile, args.prefill_chunk,
+                      logits_processor=LogitsProcessorList([StepMarker()]))
+            _sync(args.device)
+    finally:
+        if kv is not None:  # the wrapper refers to kv: without this the cache lives on until gc runs
+            del kv.update
+    plan = kv.plan.get("message") if kv is not None else None
     steps = [w for w in profile_step.gpu_busy_per_window(prof, "decode_step", top=8) if "wall" in w][2:]
     if not steps:
-        return {"steps": 0}
+        return {"steps": 0, "plan": plan}
     median = {key: round(statistics.median(w[key] for w in steps) * 1e3, 2)
               for key in ("wall", "busy", "kernel", "h2d", "d2h", "h2d_alone")}
     h2d_seconds = sum(w["h2d"] for w in steps)
@@ -139,7 +144,7 @@ def _profile(model, ids, args) -> dict:
         totals = profile_step.sum_by_name((pair for w in steps for pair in w[key]), top)
         return [(name[:90], round(seconds / len(steps) * 1e3, 2)) for name, seconds in totals]
 
-    return {"steps": len(steps), "median_ms": median,
+    return {"steps": len(steps), "plan": plan, "median_ms": median,
             "h2d_gb_per_s_while_copying": round(sum(w["h2d_bytes"] for w in steps) / h2d_seconds / 1e9, 1)
             if h2d_seconds else None,
             "top_kernels_ms_per_step": per_step("top", 8),

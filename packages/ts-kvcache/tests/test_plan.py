@@ -17,8 +17,10 @@ MIB = 1 << 20
 def fake_gpu(monkeypatch):
     """fake_gpu(free, total, reserved=0, allocated=0, fraction=1.0) stubs torch.cuda's probes."""
 
-    def install(free, total, reserved=0, allocated=0, fraction=1.0):
+    def install(free, total, reserved=0, allocated=0, fraction=1.0, holes=0):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+        monkeypatch.setattr(torch.cuda, "memory_stats",
+                            lambda device=None: {"inactive_split_bytes.all.current": holes})
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
@@ -51,6 +53,21 @@ def test_torch_cached_memory_counts_and_a_cap_limits(fake_gpu):
     assert len(_plan(8)) == 4  # the cap leaves 100 - 94 = 6 MiB, not 150
 
 
+def test_holes_in_used_segments_are_not_free(fake_gpu):
+    # 4 MiB cached but unused, 2 of them holes between live blocks: 2 + 2 free, room for 2 layers.
+    fake_gpu(free=2 * MIB, total=200 * MIB, reserved=5 * MIB, allocated=1 * MIB, holes=2 * MIB)
+    assert len(_plan(8)) == 2
+    # Under a cap too: 100 - 94 - 2 = 4 MiB.
+    fake_gpu(free=150 * MIB, total=200 * MIB, allocated=94 * MIB, fraction=0.5, holes=2 * MIB)
+    assert len(_plan(8)) == 2
+
+
+def test_no_room_for_the_slots_is_refused_with_the_numbers(fake_gpu):
+    fake_gpu(free=1 * MIB, total=200 * MIB)
+    with pytest.raises(torch.OutOfMemoryError, match=r"2 device slot\(s\) of 0.001 GiB .* 0.00 GiB of VRAM is free"):
+        _plan(8)
+
+
 @settings(max_examples=100, deadline=None)
 @given(layers=st.integers(1, 40), free=st.integers(0, 60), extra=st.integers(0, 30), slots=st.sampled_from([2, 3]))
 def test_more_free_vram_never_keeps_fewer_layers(layers, free, extra, slots):
@@ -61,8 +78,13 @@ def test_more_free_vram_never_keeps_fewer_layers(layers, free, extra, slots):
             mp.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
             mp.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
             mp.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+            mp.setattr(torch.cuda, "memory_stats", lambda device=None: {})
             return _plan(layers, slots=slots)
 
+    if layers > free and min(slots, layers) > free:  # not even the slots fit: refused, not planned
+        with pytest.raises(torch.OutOfMemoryError):
+            resident(free)
+        return
     low, high = resident(free), resident(free + extra)
     assert len(low) <= len(high)
     if len(low) < layers:  # something offloaded: resident layers and slots fit the budget
