@@ -22,6 +22,7 @@ within 230 s on the H200: every probe is a whole generate() of the 7B shape in i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -73,10 +74,25 @@ def _cache(engine: str, model, max_tokens: int, args):
     return TrainStreamCache(model, max_tokens, **options)
 
 
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+_sdpa: list[str] = []  # --sdpa: the backends generation may use (empty: PyTorch's own choice)
+
+
+def _attention_backends():
+    """A context that limits scaled_dot_product_attention to the --sdpa backends (none: no limit)."""
+    if not _sdpa:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+             "math": "MATH"}
+    return sdpa_kernel([getattr(SDPBackend, names[b]) for b in _sdpa])
+
+
 def _generate(model, ids, cache, new: int, prefill_chunk: int | None = None, **extra):
     if prefill_chunk:
         extra["prefill_chunk_size"] = prefill_chunk
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _attention_backends():
         warnings.simplefilter("ignore", FutureWarning)
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                               min_new_tokens=new, do_sample=False, past_key_values=cache, pad_token_id=0, **extra)
@@ -168,8 +184,9 @@ def _py_profile(model, ids, args) -> list[str]:
 
 def run_one(args) -> dict:
     cuda = args.device == "cuda"
+    _sdpa[:] = args.sdpa or []
     result = {"engine": args.engine, "batch": args.batch, "prompt": args.prompt, "new": args.new,
-              "prefill_chunk": args.prefill_chunk,
+              "prefill_chunk": args.prefill_chunk, "sdpa": args.sdpa or "default",
               "vram_cap_gb": args.vram_cap_gb, "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if args.vram_cap_gb and cuda:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -224,6 +241,8 @@ def _child(args, engine: str, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--batch", str(batch), "--prompt", str(args.prompt),
            "--new", str(args.new), "--vram-cap-gb", str(args.vram_cap_gb), "--page-tokens", str(args.page_tokens),
            "--vram-fraction", str(args.vram_fraction), "--slots", str(args.slots), "--copy", args.copy]
+    if args.sdpa:
+        cmd += ["--sdpa", *args.sdpa]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     if args.prefill_chunk:
@@ -297,6 +316,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--copy", choices=("auto", "engine", "kernel"), default="auto")
     parser.add_argument("--resident", type=int, default=None, help="resident layers (default: auto)")
+    parser.add_argument("--sdpa", nargs="+", choices=SDPA_BACKENDS, default=None,
+                        help="limit attention to these SDPA backends (default: PyTorch's choice; on torch 2.11 "
+                             "and the H200 that is cuDNN, which spends host time on each new sequence length)")
     parser.add_argument("--profile", type=int, default=0, metavar="NEW",
                         help="after the timed run, profile one more generate() of NEW tokens: GPU time per step by "
                              "class (kernels, host-to-device, device-to-host), the link's rate, the top kernels")
