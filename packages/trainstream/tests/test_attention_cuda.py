@@ -207,3 +207,29 @@ def test_cuda_deterministic_mode_leaves_out_cudnn_and_repeats_bit_for_bit():
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+
+
+def test_cuda_generation_with_a_kv_cache_runs_without_cudnn():
+    """A forward without gradients whose queries are fewer than its keys (decoding with a cache) runs
+    under PyTorch's order minus cuDNN, which builds a graph for every new key length; settings are
+    back afterwards."""
+    from test_attention import first
+
+    class Decode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, q, k, v):
+            self.seen.append(first("cuda"))
+            return F.scaled_dot_product_attention(q, k, v)
+
+    before = sdpa_settings()
+    module = Decode()
+    AttentionChooser("auto").install(module)
+    q, k, v = (torch.randn(8, 28, n, 128, device="cuda", dtype=torch.bfloat16) for n in (1, 513, 513))
+    with torch.no_grad():
+        for step in range(3):
+            module(q, k[:, :, : 513 - 2 + step], v[:, :, : 513 - 2 + step])
+    assert module.seen and all(name not in ("cudnn", "none") for name in module.seen), module.seen
+    assert sdpa_settings() == before

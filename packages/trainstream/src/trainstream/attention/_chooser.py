@@ -35,6 +35,7 @@ from ..engine.hooks import EngineHook
 from ._calls import SdpaCall, determinism, forward_signature
 from ._measure import (
     BACKENDS,
+    GROWING_KEYS,
     Measurement,
     Timer,
     candidates,
@@ -106,7 +107,7 @@ def attn_implementation(model: torch.nn.Module) -> str | None:
 class _Entry:
     """One forward signature: the call shapes its forward made and the pin they give."""
 
-    __slots__ = ("complete", "device_type", "keys", "pin", "train", "used")
+    __slots__ = ("cached_keys", "complete", "device_type", "keys", "pin", "train", "used")
 
     def __init__(self, train: bool):
         self.train = train  # gradients on when the forward began
@@ -115,6 +116,9 @@ class _Entry:
         self.pin: list[SDPBackend] | None = None
         self.complete = True  # False: a call shape was left unmeasured (no gradients), look again later
         self.used: set[str] = set()  # first backends the discovery forward ran calls under
+        # An unmeasured call (no gradients) attended to more keys than it has queries: generation with
+        # a KV cache, whose key length grows every step (see _measure.GROWING_KEYS).
+        self.cached_keys = False
 
 
 class _Discovery(TorchFunctionMode):
@@ -251,6 +255,7 @@ class AttentionChooser:
         self._last_backend: str | None = None
         self._no_calls_reported = False
         self._conflict_reported = False
+        self._generation_reported = False
 
     # ---- install / remove -------------------------------------------------------------
 
@@ -384,6 +389,7 @@ class AttentionChooser:
                 self._families.setdefault(call.family_of(), []).append((call.size_of(), result))
         elif result is None:
             entry.complete = False
+            entry.cached_keys |= call.key.shape[-2] > call.query.shape[-2]
         if result is not None:
             self._known[key] = result
             entry.keys.setdefault(key, result)
@@ -431,7 +437,8 @@ class AttentionChooser:
         device = call.device
         initialize_order(device)  # torch's own (lazy) default order decides ties and the fallbacks
         deterministic, warn_only = determinism()
-        backends, left_out = candidates(device, deterministic, warn_only)
+        cached_keys = call.key.shape[-2] > call.query.shape[-2]
+        backends, left_out = candidates(device, deterministic, warn_only, cached_keys=cached_keys)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         result = measure(call, backends, self.timer, runner=self._runner, max_check_heads=self.max_check_heads)
         result.skipped.update(left_out)
@@ -486,7 +493,7 @@ class AttentionChooser:
         else:
             measured = [m for m in entry.keys.values() if m.failed is None]
             if not measured:
-                return None
+                return self._generation_pin(entry, enabled)
             order = [name_of(b) for b in priority_order()]
             valid = set.intersection(*(set(m.timings_ms) for m in measured))
             names = tie_ranked({n: sum(m.timings_ms[n] for m in measured) for n in valid}, order)
@@ -497,6 +504,22 @@ class AttentionChooser:
             # torch's CPU dispatcher ignores the priority order (flash, then math): enable only the
             # chosen backend, with math behind it as the fallback.
             return ranked[:1] + ([SDPBackend.MATH] if SDPBackend.MATH in ranked[1:] else [])
+        return ranked
+
+    def _generation_pin(self, entry: _Entry, enabled) -> list[SDPBackend] | None:
+        """For an unmeasured forward on CUDA whose attention keys outnumber its queries (generation with
+        a KV cache): PyTorch's order without cuDNN, which would build a graph for every new key length
+        (GROWING_KEYS). None (PyTorch's own choice) elsewhere, or when the caller left only cuDNN on."""
+        if not entry.cached_keys or entry.device_type != "cuda" or SDPBackend.CUDNN_ATTENTION not in enabled:
+            return None
+        ranked = [b for b in priority_order() if b in enabled and b != SDPBackend.CUDNN_ATTENTION]
+        if not ranked:
+            return None
+        if not self._generation_reported:
+            self._generation_reported = True
+            self.events.add("attention", f"auto: forwards without gradients whose keys outnumber their queries "
+                                         f"(generation with a KV cache) run under {[name_of(b) for b in ranked]}, "
+                                         f"not cuDNN: {GROWING_KEYS}")
         return ranked
 
     # ---- data parallel ------------------------------------------------------------------------

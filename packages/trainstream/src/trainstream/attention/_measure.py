@@ -81,13 +81,27 @@ def disabled_by_caller(backend: SDPBackend) -> str:
             f"context around the model): not measured")
 
 
-def candidates(device: torch.device, deterministic: bool, warn_only: bool) -> tuple[list[SDPBackend], dict[str, str]]:
+# Why cuDNN is not measured for a call whose keys outnumber its queries (a KV cache: decoding, chunked
+# prefill). cuDNN attention builds a graph per key length, and a cache grows every step: on the H200
+# (torch 2.11) decoding a Qwen2.5-7B shape spent 43 ms of host time per step in it, four times the GPU's
+# work (docs/results/kvcache-sdpa-h200-2026-12-03.log). A measurement at one length cannot see that cost.
+GROWING_KEYS = ("the keys outnumber the queries (a KV cache, growing every step), and cuDNN builds its graph "
+                "again for each new key length: tens of ms of host time per step")
+
+
+def candidates(device: torch.device, deterministic: bool, warn_only: bool, *,
+               cached_keys: bool = False) -> tuple[list[SDPBackend], dict[str, str]]:
     """(backends to measure in PyTorch's priority order, {name: why left out}). Backends the caller
-    disabled (outside trainstream's pins) are left out: turning one on again is not ours to do."""
+    disabled (outside trainstream's pins) are left out: turning one on again is not ours to do.
+    ``cached_keys``: the call attends to more keys than it has queries (see GROWING_KEYS); cuDNN is
+    left out while another backend remains."""
     order = priority_order()
     enabled = caller_state().enabled
     left = {name_of(b): disabled_by_caller(b) for b in order if b not in enabled}
     order = [b for b in order if b in enabled]
+    if cached_keys and SDPBackend.CUDNN_ATTENTION in order and len(order) > 1:
+        order.remove(SDPBackend.CUDNN_ATTENTION)
+        left["cudnn"] = GROWING_KEYS
     if not deterministic:
         return order, left
     allowed = deterministic_backends(device.type, warn_only)
