@@ -15,7 +15,8 @@ MIB = 1 << 20
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """fake_gpu(free, total, reserved=0, allocated=0, fraction=1.0) stubs torch.cuda's probes."""
+    """fake_gpu(free, total, reserved=0, allocated=0, fraction=1.0, holes=0) stubs torch.cuda's probes
+    (``holes``: torch's inactive split bytes, free blocks inside segments still in use)."""
 
     def install(free, total, reserved=0, allocated=0, fraction=1.0, holes=0):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
