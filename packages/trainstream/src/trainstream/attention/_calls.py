@@ -105,6 +105,11 @@ class SdpaCall:
                 self.scale is None, bool(self.enable_gqa), tuple(sorted(self.extra)),
                 _autocast_state(q.device.type), determinism())
 
+    @property
+    def cached_keys(self) -> bool:
+        """More keys than queries: the call reads a KV cache (decoding, chunked prefill)."""
+        return self.key.shape[-2] > self.query.shape[-2]
+
     def size_of(self) -> tuple[int, int, int]:
         """(batch, query length, key length)."""
         q = self.query

@@ -389,7 +389,7 @@ class AttentionChooser:
                 self._families.setdefault(call.family_of(), []).append((call.size_of(), result))
         elif result is None:
             entry.complete = False
-            entry.cached_keys |= call.key.shape[-2] > call.query.shape[-2]
+            entry.cached_keys |= call.cached_keys
         if result is not None:
             self._known[key] = result
             entry.keys.setdefault(key, result)
@@ -437,8 +437,7 @@ class AttentionChooser:
         device = call.device
         initialize_order(device)  # torch's own (lazy) default order decides ties and the fallbacks
         deterministic, warn_only = determinism()
-        cached_keys = call.key.shape[-2] > call.query.shape[-2]
-        backends, left_out = candidates(device, deterministic, warn_only, cached_keys=cached_keys)
+        backends, left_out = candidates(device, deterministic, warn_only, cached_keys=call.cached_keys)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         result = measure(call, backends, self.timer, runner=self._runner, max_check_heads=self.max_check_heads)
         result.skipped.update(left_out)
