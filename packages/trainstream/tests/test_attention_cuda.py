@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from test_attention import Stack, _tiny_qwen
 from test_attention_pins import sdpa_settings
 from trainstream.attention import AttentionChooser
+from trainstream.attention._measure import NEAR_TIE
 from trainstream.memory.recompute import Recompute
 
 pytestmark = pytest.mark.cuda
@@ -52,7 +53,10 @@ def test_cuda_backends_agree_and_the_fastest_is_chosen(seq, gqa):
     assert {"flash", "math"} <= set(timings), skipped
     # torch 2.11's efficient kernel refuses dense GQA inputs (different head counts): skipped, with why.
     assert "efficient" in timings or skipped.get("efficient", "").startswith("refused"), skipped
-    assert report["chosen"][label] == min(timings, key=timings.get) == report["backend"]
+    # The fastest, or one within NEAR_TIE of it that PyTorch tries earlier (H200, 2026-12-03: flash
+    # 0.287 ms chosen beside efficient 0.274 ms).
+    chosen = report["chosen"][label]
+    assert chosen == report["backend"] and timings[chosen] <= min(timings.values()) * (1 + NEAR_TIE), timings
 
 
 class _Call(torch.nn.Module):
@@ -109,6 +113,7 @@ def test_cuda_pin_in_forward_and_recompute(mode):
 _FIRST_CALL = textwrap.dedent("""
     import sys, torch, torch.nn.functional as F
     from trainstream.attention import AttentionChooser
+from trainstream.attention._measure import NEAR_TIE
     from trainstream.memory.recompute import Recompute
     class Block(torch.nn.Module):
         def __init__(self):
@@ -191,6 +196,7 @@ def test_cuda_deterministic_mode_leaves_out_cudnn_and_repeats_bit_for_bit():
     script = textwrap.dedent("""
         import torch, torch.nn.functional as F
         from trainstream.attention import AttentionChooser
+from trainstream.attention._measure import NEAR_TIE
         torch.use_deterministic_algorithms(True)
         class Call(torch.nn.Module):
             def forward(self, q, k, v):
