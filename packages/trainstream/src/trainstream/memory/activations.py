@@ -15,6 +15,7 @@ import torch
 from ..engine.hooks import EngineHook
 from .autotune import ActivationTuner, CudaMeter, Meter
 from .blocks import find_blocks
+from .lora_inputs import CompactLoraInputs, eligible_layers
 from .offload import ActivationOffloader
 from .recompute import Recompute, uses_hf_checkpointing
 from .tuner import Choice
@@ -86,6 +87,7 @@ class ActivationPolicy:
         self._pool_trimmed = False  # 'auto': the page pool is cut to the settled setting once
         self._recompute: dict[int, Recompute] = {}
         self.offloader = None
+        self.compact: CompactLoraInputs | None = None
         self._config, self._use_cache = getattr(model, "config", None), None
         self._handles, self._hooks = [], []
         self.asked = f"activation_offload={offload!r}, recompute={recompute!r}"
@@ -137,6 +139,7 @@ class ActivationPolicy:
                                                      max_inflight_bytes=options.max_inflight_bytes,
                                                      min_bytes=options.min_offload_bytes, arena=arena,
                                                      candidates=candidates).attach()
+            self._compact_lora_inputs(model, options.compact_lora_inputs, tuned)
         except BaseException:
             self.remove()
             raise
@@ -146,6 +149,24 @@ class ActivationPolicy:
             self.decision = self._describe()
             if wanted:
                 events.add("activations", self.decision)
+
+    def _compact_lora_inputs(self, model, asked, tuned: bool) -> None:
+        """compact_lora_inputs=: "auto" is on where blocks may page or recompute (the saved bytes then
+        decide how many blocks keep, page or recompute; with every block kept on an unlimited device
+        the per-layer autograd Function would only add host time)."""
+        on = asked is True or (asked == "auto" and (tuned or bool(self.offloaded) or bool(self.recomputed)))
+        if not on:
+            return
+        layers = eligible_layers(self.blocks or [model])
+        if not layers:
+            if asked is True:
+                self._events.add("activations", "compact_lora_inputs=True: no PEFT LoRA Linear layer with plain "
+                                                "adapters (no dropout, no variant) in the blocks; nothing changed")
+            return
+        self.compact = CompactLoraInputs(layers)
+        self._events.add("activations", f"compact_lora_inputs: {len(layers)} PEFT LoRA layers save the input they "
+                                        f"cast to float32 as the 16-bit tensor it was cast from, for backward (half "
+                                        f"the bytes, one saved tensor per shared input; gradients bit for bit the same)")
 
     # ---- 'auto' -------------------------------------------------------------------------
 
@@ -303,6 +324,9 @@ class ActivationPolicy:
                                             f"last step held at once)")
 
     def remove(self) -> None:
+        if self.compact is not None:
+            self.compact.remove()
+            self.compact = None
         for r in self._recompute.values():
             r.remove()
         self._recompute = {}
@@ -322,10 +346,12 @@ class ActivationPolicy:
         out = {"policy": self.policy(), "offloaded_blocks": list(self.offloaded),
                "recompute_blocks": list(self.recomputed),
                "block_bytes": list(self.offloader.block_bytes) if self.offloader else [0] * len(self.blocks),
-               "decision": self.decision, "paging": stats}
+               "decision": self.decision, "paging": stats,
+               "compact_lora_layers": len(self.compact.layers) if self.compact is not None else 0}
         if self.tuner is not None:
             out["tuning"] = {"phase": self.tuner.phase, "history": list(self.tuner.history),
                              "trials": [{"policy": c.policy(len(self.blocks)), "seconds": t, "peak_bytes": p}
                                         for c, t, p in self.tuner.trials],
                              "cap_backoffs": self.tuner.cap_backoffs}
         return out
+
