@@ -149,11 +149,13 @@ def test_wrap_option_pages_and_recomputes_with_the_same_bits():
     assert weights_a and all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
 
 
-def test_option_is_validated_and_auto_is_off_on_the_cpu():
-    with pytest.raises(ValueError, match="compact_lora_inputs"):
-        trainstream.wrap(_lora_qwen(), lr=1e-3, compact_lora_inputs="yes")
+def test_option_is_validated_and_off_by_default():
+    for bad in ("yes", "auto", 1):
+        with pytest.raises(ValueError, match="compact_lora_inputs"):
+            trainstream.wrap(_lora_qwen(), lr=1e-3, compact_lora_inputs=bad)
     model, _ = trainstream.wrap(_lora_qwen(), lr=1e-3)
     assert trainstream.memory_report(model)["activations"]["compact_lora_layers"] == 0
+    assert not any(isinstance(m, CompactInputLinear) for m in model.modules())
     trainstream.unwrap(model)
 
 

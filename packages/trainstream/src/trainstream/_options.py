@@ -21,7 +21,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "offload": ("auto", True),
     "moment_dtype": ("auto", "float32", "bfloat16"),
     "recompute_variant": ("full", "selective"),
-    "compact_lora_inputs": ("auto", True, False),
+    "compact_lora_inputs": (True, False),
     "prefer": ("exact", "speed"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -48,7 +48,7 @@ class WrapOptions:
     activation_offload: Any = "auto"
     recompute: Any = "auto"
     recompute_variant: str = "full"
-    compact_lora_inputs: Any = "auto"  # "auto": on where activations may page or recompute (memory/lora_inputs.py)
+    compact_lora_inputs: bool = False  # memory/lora_inputs.py; opt-in until an A/B on the GPU says "auto" is safe
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20

@@ -139,7 +139,7 @@ class ActivationPolicy:
                                                      max_inflight_bytes=options.max_inflight_bytes,
                                                      min_bytes=options.min_offload_bytes, arena=arena,
                                                      candidates=candidates).attach()
-            self._compact_lora_inputs(model, options.compact_lora_inputs, tuned)
+            self._compact_lora_inputs(model, options.compact_lora_inputs)
         except BaseException:
             self.remove()
             raise
@@ -150,18 +150,17 @@ class ActivationPolicy:
             if wanted:
                 events.add("activations", self.decision)
 
-    def _compact_lora_inputs(self, model, asked, tuned: bool) -> None:
-        """compact_lora_inputs=: "auto" is on where blocks may page or recompute (the saved bytes then
-        decide how many blocks keep, page or recompute; with every block kept on an unlimited device
-        the per-layer autograd Function would only add host time)."""
-        on = asked is True or (asked == "auto" and (tuned or bool(self.offloaded) or bool(self.recomputed)))
-        if not on:
+    def _compact_lora_inputs(self, model, asked: bool) -> None:
+        """compact_lora_inputs=True (opt-in): on the H200 it cut a 14B block's saved bytes at 2048 tokens
+        from 0.701 to 0.531 GiB (11 blocks kept instead of 6) at the same step time within that host's
+        spread; the one 1 x 512 run with it on was slower than earlier sessions' and was not A/B-tested
+        (docs/results/lora14b-compact-h200-2026-12-03.log), so it is not a default yet."""
+        if not asked:
             return
         layers = eligible_layers(self.blocks or [model])
         if not layers:
-            if asked is True:
-                self._events.add("activations", "compact_lora_inputs=True: no PEFT LoRA Linear layer with plain "
-                                                "adapters (no dropout, no variant) in the blocks; nothing changed")
+            self._events.add("activations", "compact_lora_inputs=True: no PEFT LoRA Linear layer with plain "
+                                            "adapters (no dropout, no variant) in the blocks; nothing changed")
             return
         self.compact = CompactLoraInputs(layers)
         self._events.add("activations", f"compact_lora_inputs: {len(layers)} PEFT LoRA layers save the input they "

@@ -8,6 +8,10 @@ first page a block needs brings back all of that block's pages, and those of the
 ``prefetch_depth`` paged blocks, on the H2D stream, each after its own D2H copy; the compute stream
 waits for a page only when autograd unpacks it.
 
+A tensor saved more than once in one block's forward (the same tensor object at the same version:
+the 16-bit input q/k/v's compact LoRA layers share) is one page with a user count; its device copy
+in backward lives until the last user unpacks it.
+
 Invariants: a page's host block is returned to the arena only after every copy that reads it has
 completed (a page that dies retires its block with the event of its last copy; retired blocks are
 freed once that event is done), so a reused block is never overwritten while still being read.
@@ -40,12 +44,13 @@ class Page:
     """One saved tensor in host memory (or kept as is when not worth moving)."""
 
     __slots__ = ("__weakref__", "block", "device", "done_d2h", "dtype", "fetched", "fetched_event", "host",
-                 "kept", "offloader", "shape", "stride")
+                 "kept", "offloader", "shape", "stride", "users")
 
     def __init__(self, offloader, block: int, kept: torch.Tensor | None = None):
         self.offloader = offloader
         self.block = block
         self.kept = kept
+        self.users = 1  # saved variables holding this page; the fetched copy is dropped after the last
         self.host = self.fetched = self.fetched_event = self.done_d2h = None
 
     def __del__(self):
@@ -85,7 +90,10 @@ class ActivationOffloader:
         self._lock = threading.Lock()
         self._own: set[int] = set()  # storages of parameters and buffers: never paged
         self._handles, self._hooks, self._active = [], [], []
-        self.counters = {"pages": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0, "pool_grown": 0,
+        # id(tensor) -> (weakref, version, Page or None) of what the block in forward saved so far: the
+        # weakref proves the id still names that tensor (an id is reused only after its object died).
+        self._saved: dict[int, tuple[weakref.ref, int, Page | None]] = {}
+        self.counters = {"pages": 0, "shared": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0, "pool_grown": 0,
                          "pool_released": 0}
         self._live_bytes = 0  # host bytes held by pages (and retired blocks not yet freed)
         self.peak_live_bytes = 0  # the most held at once since the last grow_pool()
@@ -127,6 +135,7 @@ class ActivationOffloader:
                 self._active.append(None)
                 return
             self.block_bytes[index] = 0
+            self._saved = {}
             self._pages[index] = [r for r in self._pages[index] if r() is not None]
             if index in self.counted:
                 hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._count(index, t), _identity)
@@ -138,6 +147,7 @@ class ActivationOffloader:
         return enter
 
     def _leave(self, _module, _args, _output) -> None:
+        self._saved = {}
         if self._active:
             hooks = self._active.pop()
             if hooks is not None:
@@ -150,8 +160,16 @@ class ActivationOffloader:
                 and dense_layout_problem(t) is None and t.untyped_storage().data_ptr() not in self._own
                 and not self.skip(t))
 
+    def _seen(self, t: torch.Tensor) -> tuple[bool, Page | None]:
+        """(whether this block's forward saved ``t`` already, unchanged since; its page)."""
+        entry = self._saved.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return True, entry[2]
+        return False, None
+
     def _count(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        if self._worth_moving(t):
+        if self._worth_moving(t) and not self._seen(t)[0]:
+            self._saved[id(t)] = (weakref.ref(t), t._version, None)
             self.block_bytes[index] += t.numel() * t.element_size()
         return t
 
@@ -159,6 +177,11 @@ class ActivationOffloader:
         if not self._worth_moving(t):
             self.counters["kept"] += 1
             return t
+        seen, page = self._seen(t)
+        if seen and page is not None:
+            page.users += 1
+            self.counters["shared"] += 1
+            return page
         self._sweep()
         nbytes = t.numel() * t.element_size()
         self._bound_inflight(nbytes)
@@ -176,6 +199,7 @@ class ActivationOffloader:
                 self._inflight.append((page.done_d2h, nbytes))
                 self._inflight_bytes += nbytes
         self._pages[index].append(weakref.ref(page))
+        self._saved[id(t)] = (weakref.ref(t), t._version, page)
         self.counters["pages"] += 1
         self.counters["d2h_bytes"] += nbytes
         self.block_bytes[index] += nbytes
@@ -202,7 +226,10 @@ class ActivationOffloader:
             self._fetch_block(page.block)
             self._prefetch_after(page.block)
         self.channel.compute_wait(page.fetched_event)
-        t, page.fetched = page.fetched, None
+        t = page.fetched
+        page.users -= 1
+        if page.users <= 0:  # the last user: the device copy is autograd's alone from here
+            page.fetched = None
         if self.channel.is_cuda:
             t.record_stream(torch.cuda.current_stream(self.device))  # freed by compute: reuse waits for it
         return t
