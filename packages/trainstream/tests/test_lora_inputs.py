@@ -61,7 +61,7 @@ def _saved_bytes(model, ids) -> tuple[int, int]:
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss
+        model(input_ids=ids, labels=ids)
     activations = [(dt, nb) for ptr, (dt, nb, _) in seen.items() if ptr not in params]
     return sum(nb for _, nb in activations), sum(nb for dt, nb in activations if dt == torch.float32)
 
