@@ -73,9 +73,10 @@ class FakeDevice(Meter):
     """VRAM `budget`; the peak is what the policy in effect keeps plus a `tail`; synchronize()
     advances the clock by a block's forward during the probe, else by the step's cost."""
 
-    def __init__(self, block_bytes, budget_blocks=1.5, recompute_s=3.0, page_s=1.0, link=1e15):
+    def __init__(self, block_bytes, budget_blocks=1.5, recompute_s=3.0, page_s=1.0, link=1e15, page_cost=None):
         super().__init__(budget=int((1 + budget_blocks) * block_bytes), link_bytes_per_s=link, host_bytes=1 << 40)
         self.block_bytes, self.recompute_s, self.page_s = block_bytes, recompute_s, page_s
+        self.page_cost = page_cost or (lambda pages: page_s * pages)  # seconds for a step paging `pages` blocks
         self.policy = None  # the ActivationPolicy, set once wrapped
         self.t = 0.0
 
@@ -91,7 +92,7 @@ class FakeDevice(Meter):
             self.t += 0.01
         else:
             c = tuner.current
-            self.t += 1.0 + self.recompute_s * len(c.recomputed) + self.page_s * len(c.paged)
+            self.t += 1.0 + self.recompute_s * len(c.recomputed) + self.page_cost(len(c.paged))
 
     def now(self):
         return self.t
@@ -118,11 +119,13 @@ def fake_device(monkeypatch):
     return install
 
 
-@pytest.mark.parametrize(("recompute_s", "page_s", "settled"), [
-    (3.0, 1.0, ["offload", "offload", "offload", "keep"]),  # paging measures faster
-    (1.0, 3.0, ["recompute", "recompute", "recompute", "keep"]),  # recompute measures faster
+@pytest.mark.parametrize(("recompute_s", "page_s", "settled", "trials"), [
+    (3.0, 1.0, ["offload", "offload", "offload", "keep"], 2),  # paging measures faster
+    # recompute measures faster, and so does the one trial paging half as many (1 of 3)
+    (1.0, 3.0, ["recompute", "recompute", "recompute", "keep"], 3),
 ])
-def test_auto_probes_tries_and_settles_on_the_fastest_and_trains_bit_exact(fake_device, recompute_s, page_s, settled):
+def test_auto_probes_tries_and_settles_on_the_fastest_and_trains_bit_exact(fake_device, recompute_s, page_s, settled,
+                                                                            trials):
     device = fake_device(recompute_s=recompute_s, page_s=page_s)
     model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
     policy = model._trainstream_session.activations
@@ -131,7 +134,7 @@ def test_auto_probes_tries_and_settles_on_the_fastest_and_trains_bit_exact(fake_
     report = trainstream.memory_report(model)["activations"]
     assert report["tuning"]["phase"] == "settled"
     assert report["policy"] == settled
-    assert len(report["tuning"]["trials"]) == 2  # the plan (page all that do not fit) and all recomputed
+    assert len(report["tuning"]["trials"]) == trials  # the plan (page all that do not fit), all recomputed
     events = [e for e in trainstream.memory_report(model)["events"] if "activations" in e]
     assert any("probe: one block saves" in e for e in events) and any("settled:" in e for e in events)
     trainstream.unwrap(model)
@@ -140,6 +143,23 @@ def test_auto_probes_tries_and_settles_on_the_fastest_and_trains_bit_exact(fake_
     assert losses == _run(plain, plain_opt, steps=6)  # paging and recompute are exact
     for a, b in zip(model.parameters(), plain.parameters()):
         assert torch.equal(a, b)
+
+
+def test_when_paging_all_loses_one_trial_pages_half_and_can_win(fake_device):
+    """Pages that the link hides cost little, more cost much (copies no longer overlap compute): paging
+    the 3 blocks that do not fit loses to recomputing them, paging 1 of them wins."""
+    device = fake_device(recompute_s=1.0, page_cost=lambda pages: 0.1 * pages if pages <= 1 else 10.0 * pages)
+    model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)
+    device.policy = model._trainstream_session.activations
+    losses = _run(model, opt, steps=6)
+    report = trainstream.memory_report(model)
+    tuning = report["activations"]["tuning"]
+    assert [t["policy"].count("offload") for t in tuning["trials"]] == [0, 3, 1]
+    assert report["activations"]["policy"] == ["recompute", "offload", "recompute", "keep"]
+    assert any("one more trial pages 1" in e for e in report["events"])
+    trainstream.unwrap(model)
+    plain, plain_opt = trainstream.wrap(Stack(depth=4), lr=1e-3, activation_offload=False, recompute=False)
+    assert losses == _run(plain, plain_opt, steps=6)
 
 
 def test_auto_never_uses_a_path_set_to_false(fake_device):

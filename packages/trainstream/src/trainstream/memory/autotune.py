@@ -2,7 +2,8 @@
 
 Phases: ``probe`` (the first forward with gradients: one block is measured, the others are decided
 before they run), ``trial`` (one step per candidate setting, timed with the device synchronized
-at step(); each step's peak corrects the VRAM estimate), ``settled`` (the fastest trial's
+at step(); each step's peak corrects the VRAM estimate; when every paging trial lost to paging
+nothing, one more pages half as many blocks as the fewest tried), ``settled`` (the fastest trial's
 setting, no more synchronizing). The owner, ``ActivationPolicy``, applies each setting between
 steps; this class only measures and decides.
 
@@ -165,6 +166,7 @@ class ActivationTuner:
         self._probe_start = None
         self._alloc_at_start = 0
         self._trial = 0
+        self._refined = False  # the one trial between paging nothing and the fewest pages tried
         self._marks: dict[int, list] = {}  # block -> [start, end] marks of the current step
         self.tokens: int | None = None  # tokens per forward the sizes in `measured` were taken at
         self.base_bytes = 0  # the last measured peak less the kept blocks' activations
@@ -285,10 +287,37 @@ class ActivationTuner:
             self._trial += 1
             self._prune(m)
         self.meter.reset_peak()
+        if self._trial >= len(self.candidates) and self.phase == "trial":
+            fewer = self._fewer_pages(m)
+            if fewer is not None:
+                self.candidates.append(fewer)
         if len(self.candidates) > 1 and self._trial < len(self.candidates):
             self.current = self._refit(self.candidates[self._trial], m)
             return self.current
         return self._settle(m)
+
+    def _fewer_pages(self, m: Measured) -> Choice | None:
+        """Once, when every paging trial lost to paging nothing: a trial with half the pages of the
+        smallest one tried. The planned count assumes the copies hide behind compute at LINK_SHARE of
+        the link; on the H200 (14B LoRA at 1 x 2048) trials paging 22-33 blocks each lost to recomputing
+        them (docs/results/lora14b-2k-h200-2026-12-03.log), and fewer pages may still beat recomputing."""
+        if self._refined or not (self.page and self.recompute):
+            return None
+        self._refined = True
+        budget = self.meter.budget()
+        timed = {}
+        for c, seconds, peak in self.trials:
+            if budget is None or peak <= budget:
+                timed[len(c.paged)] = min(seconds, timed.get(len(c.paged), seconds))
+        paging = sorted(n for n in timed if n > 0)
+        if 0 not in timed or not paging or any(timed[n] < timed[0] for n in paging):
+            return None
+        half = paging[0] // 2
+        if half < 1:
+            return None
+        self._event(f"paging {paging[0]} blocks lost to paging none ({timed[paging[0]] * 1e3:.0f} against "
+                    f"{timed[0] * 1e3:.0f} ms): one more trial pages {half}")
+        return choose(m, page=self.page, recompute=self.recompute, paged=half)
 
     def _prune(self, m: Measured) -> None:
         best = min(t[1] for t in self.trials)
