@@ -96,7 +96,8 @@ def _as_run_options(report: dict, scenario: dict, facts) -> dict:
                 quantize=params.get("quantize") if facts.train == "lora" else None,
                 moment_dtype=report["optimizer"]["moment_dtype"], optimizer="gpu" if on_gpu else "host",
                 keep=layers - page - recompute, page=page, recompute=recompute,
-                streamed_blocks=len(params.get("paged_blocks") or []))  # full fine-tunes stream trained weights too
+                streamed_blocks=len(params.get("paged_blocks") or []),  # full fine-tunes stream trained weights too
+                compact_lora_inputs=bool(acts.get("compact_lora_layers")))
 
 
 def _prediction(plan) -> dict:
@@ -270,7 +271,8 @@ def _trial_rows(path: str, saved: dict) -> list[dict]:
                 lora_targets=sorted(config.target_modules), adapter_dtype="float32", dtype="bfloat16",
                 quantize=weights.get("quantize"), optimizer="host", keep=policy.count("keep"),
                 page=policy.count("offload"), recompute=policy.count("recompute"),
-                streamed_blocks=len(weights.get("paged_blocks") or []))
+                streamed_blocks=len(weights.get("paged_blocks") or []),
+                compact_lora_inputs=bool((row.get("activations") or {}).get("compact_lora_layers")))
             plan = ts_planner.check_plan(shape, budget, options)
             peak = trial["peak_bytes"]
             out.append({"scenario": f"{row['engine']} trial {options.keep}/{options.page}/{options.recompute}",

@@ -103,3 +103,24 @@ def test_h200_probe_sizes():
     # Every later block also saves its input norm's fp32 copies: the probe of block 0 undercounts them.
     later = saved_activation_bytes(QWEN_14B, 1, 2048, unique=False, min_bytes=1 << 20, train="lora", lora_rank=16)
     assert later - lora0 == 2 * 2048 * 5120 * 4
+
+
+def test_compact_lora_inputs_save_the_16_bit_source_once():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=30, deadline=None)
+    @given(hidden=st.integers(1, 64), inter=st.integers(1, 128), tokens=st.integers(1, 64))
+    def check(hidden, inter, tokens):
+        shape = ModelShape(hidden * 4, inter, 2, 4, 2, 1000)
+        h, i = shape.hidden_size, shape.intermediate_size
+        kwargs = dict(train="lora", lora_rank=8, adapter_dtype="float32")
+        plain = saved_activation_bytes(shape, 1, tokens, **kwargs)
+        compact = saved_activation_bytes(shape, 1, tokens, compact_lora_inputs=True, **kwargs)
+        # Seven float32 copies (q/k/v, o, gate/up of width h; down of width i) become the bf16 inputs
+        # q/k/v share, gate/up share and down reads; o's input (the attention output) is saved already.
+        assert plain - compact == tokens * (4 * (6 * h + i) - 2 * (2 * h + i))
+        assert saved_activation_bytes(shape, 1, tokens, train="full", compact_lora_inputs=True) == \
+            saved_activation_bytes(shape, 1, tokens, train="full")  # full fine-tunes save no casts
+
+    check()

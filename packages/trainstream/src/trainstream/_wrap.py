@@ -245,7 +245,8 @@ def _fewest_streamed(inputs, opts, fmt, tokens=(PLAN_BATCH, PLAN_SEQ)):
     shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
     for count in range(len(blocks) + 1):
         plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
-                         streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens)
+                         streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
+                         compact_lora_inputs=opts.compact_lora_inputs)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -289,7 +290,7 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     shared_by = _streamed_shared_by(opts, streamer.host_bytes()) if streamed else 1
     plan = plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
                      activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
-                     streamed_shared_by=shared_by)
+                     streamed_shared_by=shared_by, compact_lora_inputs=opts.compact_lora_inputs)
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan

@@ -22,28 +22,34 @@ def _norm(out: list, tag: str, tokens: int, h: int, a: int, trained: bool) -> No
 
 
 def _projection(out: list, name: str, source: str, tokens: int, fan_in: int, a: int, train: str,
-                rank: int, targets, adapter: int) -> None:
+                rank: int, targets, adapter: int, compact: bool) -> None:
     """What one projection saves: its input when its weight is trained; with LoRA, the adapter's input
-    (a cast copy when the adapter dtype differs) and the rank-sized middle. A frozen base saves nothing."""
+    (a cast copy when the adapter dtype differs, or with ``compact`` the input it was cast from, shared
+    by the projections reading it) and the rank-sized middle. A frozen base saves nothing."""
     if train == "full":
         out.append((source, tokens * fan_in * a))
     elif train == "lora" and name in targets:
-        out.append((source if adapter == a else f"{name}.cast", tokens * fan_in * adapter))
+        if adapter == a or compact:
+            out.append((source, tokens * fan_in * a))
+        else:
+            out.append((f"{name}.cast", tokens * fan_in * adapter))
         out.append((f"{name}.lora_mid", tokens * rank * adapter))
 
 
 def block_saved_tensors(shape: ModelShape, batch: int, seq: int, *, train: str = "full", lora_rank: int = 16,
                         lora_targets=LORA_TARGETS, adapter_dtype: str = "float32", dtype: str = "bfloat16",
-                        first: bool = False) -> list[tuple[str, int]]:
+                        first: bool = False, compact_lora_inputs: bool = False) -> list[tuple[str, int]]:
     """(storage, bytes) of every tensor one block saves for backward, in forward order. ``first``: the first
-    block under LoRA, whose input (from the frozen embedding) needs no gradient: its input norm saves nothing."""
+    block under LoRA, whose input (from the frozen embedding) needs no gradient: its input norm saves nothing.
+    ``compact_lora_inputs``: trainstream's option of that name (LoRA layers save their 16-bit input)."""
     if train not in ("full", "lora", "frozen"):
         raise ValueError(f"train={train!r} is not valid; use 'full', 'lora' or 'frozen'")
     a, ad = DTYPE_BYTES[dtype], DTYPE_BYTES[adapter_dtype]
     h, i, d = shape.hidden_size, shape.intermediate_size, shape.dim_per_head
     tokens = batch * seq
     out: list[tuple[str, int]] = []
-    args = dict(tokens=tokens, a=a, train=train, rank=lora_rank, targets=tuple(lora_targets), adapter=ad)
+    args = dict(tokens=tokens, a=a, train=train, rank=lora_rank, targets=tuple(lora_targets), adapter=ad,
+                compact=compact_lora_inputs)
     if train == "full" or not first:
         _norm(out, "attn_norm", tokens, h, a, train == "full")
     for name in ("q_proj", "k_proj", "v_proj"):

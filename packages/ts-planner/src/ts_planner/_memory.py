@@ -27,6 +27,8 @@ class Options:
     chunk of trainstream's chunked loss (None: the full [tokens, vocab] logits, as Hugging Face computes them).
     ``streamed_shared_by``: processes of this machine that map one host copy of the streamed frozen
     weights (data parallel); each counts its share, as each gets its share of the machine's RAM.
+    ``compact_lora_inputs``: LoRA layers save their 16-bit input instead of a float32 copy (trainstream's
+    option of that name).
     """
 
     batch: int = 1
@@ -46,6 +48,7 @@ class Options:
     streamed_blocks: int = 0
     loss_chunk: int | None = None
     streamed_shared_by: int = 1
+    compact_lora_inputs: bool = False
 
     def __post_init__(self) -> None:
         def count(name, value, low):
@@ -165,7 +168,8 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
 
     # Activations of one block: unique storage held in VRAM, every saved tensor for paging.
     saved = block_saved_tensors(shape, o.batch, o.seq, train=o.train, lora_rank=o.lora_rank,
-                                lora_targets=o.lora_targets, adapter_dtype=o.adapter_dtype, dtype=o.dtype)
+                                lora_targets=o.lora_targets, adapter_dtype=o.adapter_dtype, dtype=o.dtype,
+                                compact_lora_inputs=o.compact_lora_inputs)
     unique, packed = sum(dict(saved).values()), sum(n for _, n in saved)
     if o.loss_chunk is None:  # HF: fp32 logits; backward holds log_softmax's output, its gradient and the input's
         loss = tokens * v * 12

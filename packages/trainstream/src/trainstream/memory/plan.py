@@ -226,7 +226,7 @@ class WrapPlan:
 
 def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", moment_dtype="auto",
               activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1,
-              tokens: tuple[int, int] = (PLAN_BATCH, PLAN_SEQ)) -> WrapPlan:
+              tokens: tuple[int, int] = (PLAN_BATCH, PLAN_SEQ), compact_lora_inputs: bool = False) -> WrapPlan:
     """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits ``tokens``
     (batch, sequence length; wrap() does not see the batch: PLAN_BATCH x PLAN_SEQ), NF4 when none does,
     so more VRAM never quantizes more; the run is refused (``fits`` False) when even one token per step
@@ -237,7 +237,8 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
     shape = facts.shape
     args = dict(train=facts.train, lora_rank=facts.lora_rank, lora_targets=facts.lora_targets,
                 adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer="host", moment_dtype=moment_dtype,
-                activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by)
+                activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by,
+                compact_lora_inputs=compact_lora_inputs)
     if facts.quantized:
         quantize = facts.quantized
     elif quantize == "auto" and facts.train == "full":
