@@ -353,4 +353,3 @@ class ActivationPolicy:
                                         for c, t, p in self.tuner.trials],
                              "cap_backoffs": self.tuner.cap_backoffs}
         return out
-

@@ -93,8 +93,8 @@ class ActivationOffloader:
         # id(tensor) -> (weakref, version, Page or None) of what the block in forward saved so far: the
         # weakref proves the id still names that tensor (an id is reused only after its object died).
         self._saved: dict[int, tuple[weakref.ref, int, Page | None]] = {}
-        self.counters = {"pages": 0, "shared": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0, "pool_grown": 0,
-                         "pool_released": 0}
+        self.counters = {"pages": 0, "shared": 0, "kept": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetched": 0,
+                         "pool_grown": 0, "pool_released": 0}
         self._live_bytes = 0  # host bytes held by pages (and retired blocks not yet freed)
         self.peak_live_bytes = 0  # the most held at once since the last grow_pool()
         self.block_bytes = [0] * len(self.blocks)  # bytes paged per block in the last forward
