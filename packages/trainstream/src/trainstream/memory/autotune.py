@@ -304,11 +304,9 @@ class ActivationTuner:
         if self._refined or not (self.page and self.recompute):
             return None
         self._refined = True
-        budget = self.meter.budget()
         timed = {}
-        for c, seconds, peak in self.trials:
-            if budget is None or peak <= budget:
-                timed[len(c.paged)] = min(seconds, timed.get(len(c.paged), seconds))
+        for c, seconds, _peak in self._fitting_trials():
+            timed[len(c.paged)] = min(seconds, timed.get(len(c.paged), seconds))
         paging = sorted(n for n in timed if n > 0)
         if 0 not in timed or not paging or any(timed[n] < timed[0] for n in paging):
             return None
@@ -336,9 +334,13 @@ class ActivationTuner:
         """The candidate's share of paged blocks with the kept count the corrected room allows."""
         return choose(m, page=self.page, recompute=self.recompute, paged=len(candidate.paged))
 
+    def _fitting_trials(self) -> list[tuple[Choice, float, int]]:
+        """The trials whose peak stayed within the budget."""
+        budget = self.meter.budget()
+        return [t for t in self.trials if budget is None or t[2] <= budget]
+
     def _settle(self, m: Measured) -> Choice:
-        fits = [t for t in self.trials if self.meter.budget() is None or t[2] <= self.meter.budget()]
-        best = min(fits or self.trials, key=lambda t: t[1])[0] if self.trials else self.candidates[0]
+        best = min(self._fitting_trials() or self.trials, key=lambda t: t[1])[0] if self.trials else self.candidates[0]
         self.current = self._refit(best, m)
         self.phase = "settled"
         timings = ", ".join(f"{self.describe(c)} {s * 1e3:.0f} ms" for c, s, _ in self.trials)
