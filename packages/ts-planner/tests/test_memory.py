@@ -250,3 +250,21 @@ def test_streamed_weights_shared_by_local_ranks_are_counted_once_per_machine(str
         estimate_memory(shape, Options(**full)).pinned
     with pytest.raises(ValueError, match="streamed_shared_by"):
         Options(streamed_shared_by=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(streamed=st.integers(1, 28), ratio=st.floats(0.5, 0.99), train=st.sampled_from(["lora", "full"]))
+def test_stream_packing_prices_the_link_the_packed_copy_and_its_staging(streamed, ratio, train):
+    shape = ModelShape.from_config(QWEN_1_5B)
+    base = Options(batch=1, seq=512, train=train, streamed_blocks=streamed, optimizer="host")
+    plain, packed = estimate_memory(shape, base), estimate_memory(shape, dataclasses.replace(base, stream_packing=ratio))
+    frozen = plain.block_weight_bytes - (plain.block_weight_bytes if train == "full" else 0)
+    if train == "lora":  # block_weight_bytes holds the adapters too: the frozen part is the rest
+        frozen = estimate_memory(shape, dataclasses.replace(base, streamed_blocks=0)).vram["frozen_weights"]
+        frozen = (frozen - shape.embedding_params * 2 - shape.head_params * 2) // shape.num_hidden_layers
+    assert plain.h2d_bytes - packed.h2d_bytes == pytest.approx(2 * streamed * frozen * (1 - ratio), abs=4)
+    assert packed.vram["stream_buffers"] - plain.vram["stream_buffers"] == round(ratio * frozen)
+    assert packed.host["streamed_weights"] - plain.host["streamed_weights"] == \
+        (round(streamed * frozen * ratio) if train == "lora" else 0)
+    with pytest.raises(ValueError, match=r"stream_packing=1.5 must be a fraction in \(0, 1\]"):
+        Options(stream_packing=1.5)

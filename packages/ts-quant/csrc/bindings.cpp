@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "kernels.h"
+#include "packed_bf16.h"
 #include "sm90/fused_linear.h"  // declarations only: the definitions exist where TS_WITH_SM90A is set
 #include "ts/bindings.h"
 #include "ts/ndarray.h"
@@ -259,6 +260,60 @@ void fused_linear_at(int format, uintptr_t x, int64_t m, int64_t k, nb::bytes co
 #endif
 }
 
+// ---- exponent-packed bf16 (packed_bf16.h) ----------------------------------------------------------
+using Bf16Bits = nb::ndarray<int16_t, nb::c_contig>;  // bf16 values viewed as int16 (DLPack has no uint16 here)
+
+PackedLayout checked_layout(int64_t n, int64_t k, int base, size_t segment_bytes, const char* what) {
+    TS_CHECK_ARG(n >= 0 && k >= 0 && k <= n && n <= INT32_MAX, what, ": need 0 <= k <= n <= 2^31 - 1 (got n=", n,
+                 ", k=", k, ")");
+    TS_CHECK_ARG(base >= 0 && base + kPackedWindow <= 256, what, ": base must be 0 to ", 256 - kPackedWindow,
+                 ", got ", base);
+    PackedLayout l = packed_layout(n, k);
+    TS_CHECK_ARG(segment_bytes >= size_t(l.total), what, ": the segment holds ", segment_bytes, " bytes, needs ",
+                 l.total);
+    return l;
+}
+
+nb::tuple packed_bf16_layout(int64_t n, int64_t k) {
+    PackedLayout l = checked_layout(n, k, 0, SIZE_MAX, "packed_bf16_layout");
+    return nb::make_tuple(l.nibbles, l.indices, l.values, l.total);
+}
+
+void exponent_histogram(Bf16Bits x, nb::ndarray<int64_t, nb::c_contig> counts) {
+    TS_CHECK_ARG(ts::is_cpu(x) && ts::is_cpu(counts) && counts.size() == 256,
+                 "exponent_histogram: x and counts (256 int64) must be CPU tensors");
+    nb::gil_scoped_release release;
+    exponent_histogram_cpu(reinterpret_cast<const uint16_t*>(x.data()), int64_t(x.size()), counts.data());
+}
+
+void pack_bf16(Bf16Bits x, ByteArray segment, int base, int64_t k) {
+    TS_CHECK_ARG(ts::is_cpu(x) && ts::is_cpu(segment), "pack_bf16: x and segment must be CPU tensors");
+    PackedLayout l = checked_layout(int64_t(x.size()), k, base, segment.size(), "pack_bf16");
+    TS_CHECK_ARG(reinterpret_cast<uintptr_t>(segment.data()) % 16 == 0, "pack_bf16: the segment must be 16-byte aligned");
+    nb::gil_scoped_release release;
+    pack_bf16_cpu(reinterpret_cast<const uint16_t*>(x.data()), l, base, segment.data());
+}
+
+void unpack_bf16(ByteArray segment, Bf16Bits out, int base, int64_t k, uintptr_t stream) {
+    const bool cuda = ts::is_cuda(segment);
+    TS_CHECK_ARG(cuda ? ts::is_cuda(out) && out.device_id() == segment.device_id() : ts::is_cpu(segment) && ts::is_cpu(out),
+                 "unpack_bf16: segment and out must be on the CPU or on the same CUDA device");
+    PackedLayout l = checked_layout(int64_t(out.size()), k, base, segment.size(), "unpack_bf16");
+    TS_CHECK_ARG(reinterpret_cast<uintptr_t>(segment.data()) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data()) % 16 == 0,
+                 "unpack_bf16: segment and out must be 16-byte aligned");
+    auto* o = reinterpret_cast<uint16_t*>(out.data());
+    if (cuda) {
+#ifdef TS_WITH_CUDA
+        unpack_bf16_cuda(segment.data(), l, base, o, static_cast<int>(segment.device_id()), stream);
+#else
+        ts::cuda_unavailable("unpack_bf16 on a CUDA tensor");
+#endif
+        return;
+    }
+    nb::gil_scoped_release release;
+    unpack_bf16_cpu(segment.data(), l, base, o);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -282,6 +337,14 @@ NB_MODULE(_core, m) {
           nb::arg("bias").none(), nb::arg("out").noconvert(), nb::arg("workspace").noconvert(),
           nb::arg("flags").noconvert(), nb::arg("epoch").noconvert(), nb::arg("stream"), nb::arg("tile_m") = 0,
           "out = x @ dequantize(W)^T (+ bias) on Hopper tensor cores, decoding int8/nf4/nvfp4 codes in registers.");
+    m.def("packed_bf16_layout", &packed_bf16_layout, nb::arg("n"), nb::arg("k"),
+          "Byte offsets (nibbles, indices, values, total) of an exponent-packed bf16 segment of n values, k escapes.");
+    m.def("exponent_histogram", &exponent_histogram, nb::arg("x"), nb::arg("counts").noconvert(),
+          "Counts of each of the 256 bf16 exponents of x (bf16 bits as int16, CPU) into counts.");
+    m.def("pack_bf16", &pack_bf16, nb::arg("x"), nb::arg("segment").noconvert(), nb::arg("base"), nb::arg("k"),
+          "Packs bf16 x (bits as int16, CPU) into a segment: exponents base..base+14 in place, k escapes.");
+    m.def("unpack_bf16", &unpack_bf16, nb::arg("segment"), nb::arg("out").noconvert(), nb::arg("base"), nb::arg("k"),
+          nb::arg("stream"), "Restores every bit of a packed segment into out (bf16 bits as int16). CUDA: on `stream`.");
     m.def("dequantize_at", &dequantize_at, nb::arg("format"), nb::arg("data"), nb::arg("scales"), nb::arg("global_scale"),
           nb::arg("out"), nb::arg("out_kind"), nb::arg("n"), nb::arg("block"), nb::arg("rows"), nb::arg("cols"),
           nb::arg("device"), nb::arg("stream"),

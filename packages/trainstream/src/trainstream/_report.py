@@ -75,7 +75,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                                  "resident_blocks": [i for i in range(len(session.weights.blocks)) if i not in streamed],
                                  "kept_blocks": stats["kept_blocks"], "host_bytes": stats["host_bytes"],
                                  "link_bytes_per_s": stats["link_bytes_per_s"],
-                                 "load_bytes": stats["h2d_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
+                                 "load_bytes": stats["link_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
                                  "peer_bytes": stats.get("peer_bytes", 0),
                                  "peer_blocks": stats.get("peer_blocks", 0),
                                  "peer_owned_bytes": stats.get("peer_owned_bytes", 0),

@@ -110,6 +110,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             streamer = _weight_streamer(model, device, opts)  # the blocks' frozen weights are codes now
         if streamer is not None:
             streamer.prepare()  # before the move: the streamed weights never reach the GPU whole
+            packing_why = streamer.use_packing() if opts.stream_packing else None
             _move_except(model, device, streamer.param_ids)
         elif any(p.device != device for p in model.parameters()) or quantized:
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
@@ -124,6 +125,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             session.events.add("memory", allocator_why)
         if offload_why:
             session.events.add("weights", offload_why)
+        if streamer is not None and opts.stream_packing:
+            session.events.add("weights", packing_why)
         if why:
             session.events.add("quantize", why)
         if quantized:
@@ -246,7 +249,7 @@ def _fewest_streamed(inputs, opts, fmt, tokens=(PLAN_BATCH, PLAN_SEQ)):
     for count in range(len(blocks) + 1):
         plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
                          streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
-                         compact_lora_inputs=opts.compact_lora_inputs)
+                         compact_lora_inputs=opts.compact_lora_inputs, stream_packing=opts.stream_packing)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -290,7 +293,8 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     shared_by = _streamed_shared_by(opts, streamer.host_bytes()) if streamed else 1
     plan = plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
                      activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
-                     streamed_shared_by=shared_by, compact_lora_inputs=opts.compact_lora_inputs)
+                     streamed_shared_by=shared_by, compact_lora_inputs=opts.compact_lora_inputs,
+                     stream_packing=opts.stream_packing)
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan

@@ -194,7 +194,8 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                 lora_rank: int = 16, lora_targets: tuple[str, ...] = LORA_TARGETS, adapter_dtype: str = "float32",
                 dtype: str = "bfloat16", quantize="auto", optimizer: str = "auto", moment_dtype: str = "auto",
                 activations="auto", streamed_blocks="auto", loss_chunk: int | None = None,
-                prefer: str = "exact", streamed_shared_by: int = 1, compact_lora_inputs: bool = False) -> Plan:
+                prefer: str = "exact", streamed_shared_by: int = 1, compact_lora_inputs: bool = False,
+                stream_packing: float = 1.0) -> Plan:
     """The plan that fits changing the least, or the closest one with ``fits=False`` and the reason.
 
     Every argument given a value stays as given; each "auto" is chosen. In order of preference: no
@@ -203,14 +204,16 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     cheaper per block), the optimizer on the GPU, fp32 moments. ``activations``: "auto", "keep",
     "recompute", "page" or (keep, page, recompute). More memory never quantizes, streams or recomputes more.
     ``streamed_shared_by``: processes of this machine sharing one host copy of the streamed frozen weights.
-    ``compact_lora_inputs``: LoRA layers save their 16-bit input (``Options``).
+    ``compact_lora_inputs``: LoRA layers save their 16-bit input (``Options``). ``stream_packing``: the fraction
+    of a streamed block's frozen bytes that cross the link (``Options``).
     """
     if prefer not in ("exact", "speed"):
         raise ValueError(f"prefer={prefer!r} is not valid; use 'exact' or 'speed'")
     layers = shape.num_hidden_layers
     base = Options(batch=batch, seq=seq, train=train, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
                    adapter_dtype=adapter_dtype, dtype=dtype, loss_chunk=loss_chunk,
-                   streamed_shared_by=streamed_shared_by, compact_lora_inputs=compact_lora_inputs)
+                   streamed_shared_by=streamed_shared_by, compact_lora_inputs=compact_lora_inputs,
+                   stream_packing=stream_packing)
     if quantize == "none":
         quantize = None
     if quantize == "auto":

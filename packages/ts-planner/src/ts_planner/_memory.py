@@ -28,7 +28,9 @@ class Options:
     ``streamed_shared_by``: processes of this machine that map one host copy of the streamed frozen
     weights (data parallel); each counts its share, as each gets its share of the machine's RAM.
     ``compact_lora_inputs``: LoRA layers save their 16-bit input instead of a float32 copy (trainstream's
-    option of that name).
+    option of that name). ``stream_packing``: the fraction of a streamed block's frozen bytes that cross the
+    link (trainstream's ``stream_packing``: exponent-packed bf16, about 0.75; 1.0: as stored); below 1 a
+    packed copy sits in host memory beside the plain one, and one staging buffer of it in VRAM.
     """
 
     batch: int = 1
@@ -49,6 +51,7 @@ class Options:
     loss_chunk: int | None = None
     streamed_shared_by: int = 1
     compact_lora_inputs: bool = False
+    stream_packing: float = 1.0
 
     def __post_init__(self) -> None:
         def count(name, value, low):
@@ -63,6 +66,9 @@ class Options:
         count("streamed_shared_by", self.streamed_shared_by, 1)
         if self.keep is not None:
             count("keep", self.keep, 0)
+        if isinstance(self.stream_packing, bool) or not (isinstance(self.stream_packing, (int, float))
+                                                         and 0 < self.stream_packing <= 1):
+            raise ValueError(f"stream_packing={self.stream_packing!r} must be a fraction in (0, 1]")
         if self.loss_chunk is not None:
             count("loss_chunk", self.loss_chunk, 1)
         if self.train not in ("full", "lora"):
@@ -202,7 +208,9 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
         "trained_weights": resident * block_trained_bytes + outer_trained * a
                            + (o.streamed_blocks * block_trained_bytes if o.train == "lora" else 0),
         "frozen_weights": resident * block_frozen_bytes + (outer * a if o.train == "lora" else 0),
-        "stream_buffers": min(o.streamed_blocks, 2) * block_bytes,  # the block computing, the next arriving
+        "stream_buffers": min(o.streamed_blocks, 2) * block_bytes  # the block computing, the next arriving
+                          + (round(o.stream_packing * block_frozen_bytes)  # the packed bytes' staging buffer
+                             if o.streamed_blocks and o.stream_packing < 1 else 0),
         "gradients": grads,
         "optimizer_state": state,
         "activations_kept": keep * unique,
@@ -213,14 +221,16 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
         "output_and_loss": loss,
         "backward_working_set": max(0, block_backward_bytes(shape, o.batch, o.seq, o.dtype) - loss),
     }
+    packed_copy = round(o.streamed_blocks * block_frozen_bytes * o.stream_packing) if o.stream_packing < 1 else 0
     if o.train == "lora":  # adapters stay resident even when their block streams
-        streamed_host = -(-o.streamed_blocks * block_frozen_bytes // o.streamed_shared_by)  # this process's share
+        streamed_host = -(-o.streamed_blocks * block_frozen_bytes // o.streamed_shared_by) + packed_copy
     else:  # a streamed full-FT block's bf16 copy is the host optimizer's upload buffer, already counted
         streamed_host = o.streamed_blocks * (block_frozen_bytes + (0 if o.optimizer == "host" else block_trained_bytes))
     pinned = {"optimizer_state": host_state, "streamed_weights": streamed_host, "activation_pages": page * packed}
     host = {**pinned, "runtime": runtime_host_bytes}
 
-    streamed_link = o.streamed_blocks * block_bytes * 2  # in for forward, again for backward (and recompute)
+    # In for forward, again for backward (and recompute); packed frozen bytes cross as packed.
+    streamed_link = round(o.streamed_blocks * (block_frozen_bytes * o.stream_packing + block_trained_bytes) * 2)
     h2d = streamed_link + page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
     d2h = page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
     block_fwd = 2 * tokens * matmul + 2 * o.batch * o.seq * o.seq * shape.q_dim  # causal attention: half of 4BT^2

@@ -14,7 +14,8 @@ import torch
 
 from ._formats import check_block, check_format, fp8_grid
 
-__all__ = ["E2M1_VALUES", "NF4_CODES", "dequantize_reference", "quantize_reference"]
+__all__ = ["E2M1_VALUES", "NF4_CODES", "dequantize_reference", "pack_bf16_reference", "quantize_reference",
+           "unpack_bf16_reference"]
 
 # bitsandbytes 0.50.2, bitsandbytes/backends/utils.py (_NF4_QUANT_TABLE).
 NF4_CODES = torch.tensor([
@@ -151,3 +152,42 @@ def dequantize_reference(format: str, shape, data: torch.Tensor, scales: torch.T
         block_scale = scales.view(torch.float8_e4m3fn).float() * global_scale.cpu()
         values = signed * block_scale[index]
     return values.to(dtype).reshape(shape)
+
+
+def pack_bf16_reference(x: torch.Tensor, base: int) -> torch.Tensor:
+    """The exponent-packed segment of bf16 `x` with window base .. base + 14 (csrc/packed_bf16.h), as uint8."""
+    bits = x.contiguous().view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+    n = bits.numel()
+    exponent = (bits >> 7) & 0xFF
+    escaped = (exponent < base) | (exponent >= base + 15)
+    offset = torch.where(escaped, 15, exponent - base)
+    low = ((bits >> 8) & 0x80) | (bits & 0x7F)
+    offset = torch.nn.functional.pad(offset, (0, n % 2))
+    nibbles = offset[0::2] | (offset[1::2] << 4)
+    index = escaped.nonzero().view(-1).to(torch.int32)
+    align = lambda v: (v + 15) // 16 * 16  # noqa: E731
+    at_nibbles = align(n)
+    at_indices = align(at_nibbles + (n + 1) // 2)
+    at_values = at_indices + 4 * index.numel()
+    segment = torch.zeros(at_values + 2 * index.numel(), dtype=torch.uint8)
+    segment[:n] = low.to(torch.uint8)
+    segment[at_nibbles:at_nibbles + nibbles.numel()] = nibbles.to(torch.uint8)
+    segment[at_indices:at_values] = index.view(torch.uint8)
+    segment[at_values:] = bits[index.long()].to(torch.int16).view(torch.uint8)
+    return segment
+
+
+def unpack_bf16_reference(segment: torch.Tensor, n: int, escapes: int, base: int) -> torch.Tensor:
+    """The bf16 values of an exponent-packed segment (n values, `escapes` escapes, window base .. base + 14)."""
+    align = lambda v: (v + 15) // 16 * 16  # noqa: E731
+    at_nibbles = align(n)
+    at_indices = align(at_nibbles + (n + 1) // 2)
+    low = segment[:n].to(torch.int32)
+    packed = segment[at_nibbles:at_nibbles + (n + 1) // 2].to(torch.int32)
+    offset = torch.stack([packed & 0xF, packed >> 4], 1).view(-1)[:n]
+    bits = ((low & 0x80) << 8) | (((base + offset) & 0xFF) << 7) | (low & 0x7F)
+    index = segment[at_indices:at_indices + 4 * escapes].view(torch.int32).long()
+    value = segment[at_indices + 4 * escapes:at_indices + 6 * escapes].view(torch.int16).to(torch.int32) & 0xFFFF
+    bits[index] = value
+    return bits.to(torch.uint16).view(torch.bfloat16) if hasattr(torch, "uint16") else \
+        bits.to(torch.int16).view(torch.bfloat16)

@@ -60,6 +60,7 @@ import ts_pinned
 from ..engine.channel import channel_for
 from ..engine.hooks import EngineHook
 from .copy_timer import CopyTimer
+from .packed_source import PackedHostSource
 from .sources import HostSource, PeerSource
 from .streamed_block import (
     StreamedBlock,
@@ -124,7 +125,7 @@ class WeightStreamer:
         self.region = None  # shared_host.SharedRegion when the host copies are the machine's (invariant 7)
         self.shared_message = None  # what prepare() decided about sharing, for the event log
         self.copy_timer = CopyTimer()  # the rate the fetches reach while copying
-        self.counters = {"fetches": 0, "h2d_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0,
+        self.counters = {"fetches": 0, "h2d_bytes": 0, "link_bytes": 0, "prefetched": 0, "evictions": 0, "host_waits": 0,
                          "update_waits": 0, "written_back": 0}
         # Trained weights (invariant 5): the newest queued update per block, the blocks whose device copy
         # is older than their host copy, and how to wait for updates (the engine's, from bind_updates).
@@ -240,6 +241,23 @@ class WeightStreamer:
                 p.data = self._view(host, offset, p)
             b.host = host
 
+    def use_packing(self) -> str:
+        """Frozen bf16 weights of the streamed blocks cross the link exponent-packed (``packed_source.py``),
+        after ``prepare()``. Returns what it did, for the event log."""
+        if self.region is not None:
+            return "stream_packing: not used: the host copies are the machine's shared region"
+        host = PackedHostSource(self.arena, self.channel.is_cuda).pack(self.streamed)
+        self.source = host
+        stats = host.stats()
+        if not host.blocks:
+            return "stream_packing: no streamed block packs to 90 % of its bytes or less; they stream as stored"
+        return (f"stream_packing: {len(host.blocks)} of {len(self.streamed)} streamed blocks cross the link "
+                f"exponent-packed, {stats['packed_ratio']:.3f} of their bytes (lossless; "
+                f"{stats['packed_bytes'] / 2**30:.2f} GiB of host memory beside the plain copies)")
+
+    def _host_source(self):
+        return self.source.fallback if isinstance(self.source, PeerSource) else self.source
+
     def attach(self) -> WeightStreamer:
         if self.region is not None and self.channel.is_cuda:
             why = self.region.register()
@@ -330,15 +348,15 @@ class WeightStreamer:
             with torch.cuda.device(self.device), torch.cuda.stream(h2d):
                 b.device.untyped_storage().resize_(b.nbytes)
                 started = self.copy_timer.start(h2d)
-                self.source.copy(index, b.host, b.pinned, b.device, h2d)
-                self.copy_timer.finish(started, h2d, b.nbytes)
+                moved = self.source.copy(index, b.host, b.pinned, b.device, h2d)
+                self.copy_timer.finish(started, h2d, moved)
                 b.ready = torch.cuda.Event()
                 b.ready.record(h2d)
         else:
             b.device.untyped_storage().resize_(b.nbytes)
             started = time.perf_counter()
-            self.source.copy(index, b.host, False, b.device, None)
-            self.copy_timer.host(time.perf_counter() - started, b.nbytes)
+            moved = self.source.copy(index, b.host, False, b.device, None)
+            self.copy_timer.host(time.perf_counter() - started, moved)
             b.ready = None
         b.used = False
         for slot in b.slots:
@@ -353,6 +371,7 @@ class WeightStreamer:
             self.peak_resident = max(self.peak_resident, len(self._lru))
         self.counters["fetches"] += 1
         self.counters["h2d_bytes"] += b.nbytes
+        self.counters["link_bytes"] += moved
 
     def _write_back_edits(self, b: StreamedBlock) -> None:
         """Invariant 5: trained weights written in place while resident go back to the host copy."""
@@ -400,8 +419,7 @@ class WeightStreamer:
 
     def use_peer(self, pool) -> None:
         """From now on, blocks in `pool` come from their owner GPU (between steps)."""
-        fallback = self.source.fallback if isinstance(self.source, PeerSource) else self.source
-        self.source = PeerSource(pool, fallback)
+        self.source = PeerSource(pool, self._host_source())
 
     def close_peer(self) -> None:
         """Collective when a pool is in use: every rank must call it (unwrap)."""
@@ -512,6 +530,7 @@ class WeightStreamer:
         self._handles, self._hooks = [], []
         self.evict_all()
         self.close_peer()
+        self.source.release()
         for b in self.streamed.values():
             for (_m, _n, p), offset in zip(b.params, b.offsets):
                 if b.host is None:
@@ -531,7 +550,7 @@ class WeightStreamer:
         block not kept is fetched for forward and again for backward (a recomputed block's forward runs on
         backward's fetch), except the ``capacity`` blocks a pass's end leaves resident for the next pass's
         start (backward begins where forward ended, the next forward where backward ended)."""
-        sizes = sorted(b.nbytes for i, b in self.streamed.items() if i not in self.kept)
+        sizes = sorted(self.source.link_bytes(i, b.nbytes) for i, b in self.streamed.items() if i not in self.kept)
         return sum(sizes[:max(0, len(sizes) - self.capacity)])
 
     def stats(self) -> dict:
