@@ -21,7 +21,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "offload": ("auto", True),
     "moment_dtype": ("auto", "float32", "bfloat16"),
     "recompute_variant": ("full", "selective"),
-    "compact_lora_inputs": (True, False),
+    "compact_lora_inputs": ("auto", True, False),
     "stream_packing": (True, False),
     "prefer": ("exact", "speed"),
 }
@@ -49,7 +49,7 @@ class WrapOptions:
     activation_offload: Any = "auto"
     recompute: Any = "auto"
     recompute_variant: str = "full"
-    compact_lora_inputs: bool = False  # memory/lora_inputs.py; opt-in until an A/B on the GPU says "auto" is safe
+    compact_lora_inputs: Any = "auto"  # memory/lora_inputs.py: on where PEFT layers qualify (H200 A/B, 2026-12-03)
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20

@@ -19,6 +19,7 @@ from .memory import residency
 from .memory.activations import blocks_of
 from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
+from .memory.lora_inputs import eligible_layers
 from .memory.plan import (
     PLAN_BATCH,
     PLAN_SEQ,
@@ -249,7 +250,7 @@ def _fewest_streamed(inputs, opts, fmt, tokens=(PLAN_BATCH, PLAN_SEQ)):
     for count in range(len(blocks) + 1):
         plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
                          streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
-                         compact_lora_inputs=opts.compact_lora_inputs, stream_packing=opts.stream_packing)
+                         compact_lora_inputs=_compact_lora_inputs(opts, blocks), stream_packing=opts.stream_packing)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -293,11 +294,18 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     shared_by = _streamed_shared_by(opts, streamer.host_bytes()) if streamed else 1
     plan = plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
                      activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
-                     streamed_shared_by=shared_by, compact_lora_inputs=opts.compact_lora_inputs,
+                     streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
                      stream_packing=opts.stream_packing)
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan
+
+
+def _compact_lora_inputs(opts, blocks) -> bool:
+    """Whether the plan prices LoRA inputs saved compact: as ActivationPolicy applies the option."""
+    if opts.compact_lora_inputs == "auto":
+        return bool(eligible_layers(blocks))
+    return opts.compact_lora_inputs
 
 
 def _streamed_shared_by(opts, nbytes: int) -> int:

@@ -88,6 +88,7 @@ class Plan:
             "quantize": o.quantize, "moment_dtype": o.moment_dtype, "optimizer": o.optimizer,
             "loss_chunk": o.loss_chunk, "resident_blocks": len(self.resident), "streamed_blocks": len(self.streamed),
             "streamed_block_indices": list(self.streamed), "streamed_shared_by": o.streamed_shared_by,
+            "compact_lora_inputs": o.compact_lora_inputs, "stream_packing": o.stream_packing,
             "activations": {"keep": keep, "page": page, "recompute": recompute},
             "peak_vram_bytes": self.peak_vram_bytes, "cuda_context_bytes": self.estimate.vram["cuda_context"],
             "host_bytes": self.host_bytes, "pinned_bytes": self.estimate.pinned_bytes,
