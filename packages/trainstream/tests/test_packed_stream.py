@@ -4,6 +4,8 @@ or loaded is packed again before its next fetch; the option is refused when it i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import trainstream
@@ -86,8 +88,30 @@ def test_the_event_says_what_packed_and_bad_values_are_refused():
     events = "\n".join(trainstream.memory_report(model)["events"])
     assert "stream_packing: 3 of 3 streamed blocks cross the link exponent-packed" in events
     trainstream.unwrap(model)
-    with pytest.raises(ValueError, match="stream_packing='yes' is not valid; use one of True, False"):
+    with pytest.raises(ValueError, match="stream_packing='yes' is not valid; use one of 'auto', True, False"):
         trainstream.wrap(_lora(), lr=1e-3, param_offload=True, stream_packing="yes")
+
+
+def test_auto_packs_unless_only_the_unpacked_plan_fits(monkeypatch):
+    import trainstream._wrap as wrap_module
+
+    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)  # "auto", room for both copies
+    assert trainstream.memory_report(model)["params"]["streaming"]["packed_blocks"] == [0, 1, 2]
+    trainstream.unwrap(model)
+    real = wrap_module.plan_wrap
+
+    def host_too_small_for_packed_copies(*args, stream_packing=False, **kwargs):
+        plan = real(*args, stream_packing=stream_packing, **kwargs)
+        if stream_packing and kwargs.get("streamed_blocks"):
+            plan = dataclasses.replace(plan, fits=False)
+        return plan
+
+    monkeypatch.setattr(wrap_module, "plan_wrap", host_too_small_for_packed_copies)
+    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)
+    streaming = trainstream.memory_report(model)["params"]["streaming"]
+    assert "packed_blocks" not in streaming and streaming["source"] == "host"
+    assert not any("stream_packing" in e for e in trainstream.memory_report(model)["events"])
+    trainstream.unwrap(model)
 
 
 def test_blocks_that_would_not_shrink_stream_as_stored(monkeypatch):

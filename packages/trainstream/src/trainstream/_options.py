@@ -22,7 +22,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "moment_dtype": ("auto", "float32", "bfloat16"),
     "recompute_variant": ("full", "selective"),
     "compact_lora_inputs": ("auto", True, False),
-    "stream_packing": (True, False),
+    "stream_packing": ("auto", True, False),
     "prefer": ("exact", "speed"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -56,7 +56,7 @@ class WrapOptions:
     blocks: Any = None
     attention: Any = WRAP_DEFAULT  # "auto" on one GPU, "default" elsewhere (attention.resolve_wrap_default)
     param_offload: Any = False
-    stream_packing: bool = False  # memory/packed_source.py; opt-in until measured on the GPU
+    stream_packing: Any = "auto"  # memory/packed_source.py; "auto": where host RAM holds the packed copies too
     prefer: str = "exact"  # quantize="auto" with param_offload="auto": stream exact weights before quantizing
     peer: Any = "auto"
     distributed: bool | None = None

@@ -250,7 +250,8 @@ def _fewest_streamed(inputs, opts, fmt, tokens=(PLAN_BATCH, PLAN_SEQ)):
     for count in range(len(blocks) + 1):
         plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
                          streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
-                         compact_lora_inputs=_compact_lora_inputs(opts, blocks), stream_packing=opts.stream_packing)
+                         compact_lora_inputs=_compact_lora_inputs(opts, blocks),
+                         stream_packing=opts.stream_packing is not False)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -292,10 +293,17 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     quantize = ("auto" if device.type == "cuda" and streamer is None else None) if auto else opts.quantize
     streamed = len(streamer.streamed) if streamer is not None else 0
     shared_by = _streamed_shared_by(opts, streamer.host_bytes()) if streamed else 1
-    plan = plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
-                     activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
-                     streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
-                     stream_packing=opts.stream_packing)
+    def planned(packing: bool) -> WrapPlan:
+        return plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
+                         activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
+                         streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
+                         stream_packing=packing)
+
+    plan = planned(opts.stream_packing is not False)
+    if opts.stream_packing == "auto":  # packed copies live beside the plain ones: only where host RAM has room
+        unpacked = planned(False) if streamed and not plan.fits else None
+        opts.stream_packing = not (unpacked is not None and unpacked.fits)
+        plan = unpacked if unpacked is not None and unpacked.fits else plan
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan
