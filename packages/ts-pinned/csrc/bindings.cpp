@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "arena.h"
+#include "gather.h"
 #include "staging.h"
 #include "ts/bindings.h"
 #include "ts/ndarray.h"
@@ -76,6 +77,31 @@ void staged_copy(HostBytes src, AnyBytes dst, uintptr_t stream) {
     default_staging_ring().copy(src.data(), dst.data(), src.size(), on_device, dst.device_id(), stream);
 }
 
+// table: a page-locked CPU tensor [rows, row_bytes] as bytes; ids: int64 on a CUDA device; out: that device,
+// n * row_bytes bytes; bad: one int32 in page-locked host memory, set to 1 by an id out of range.
+void gather_rows(nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> table, nb::ndarray<int64_t, nb::c_contig> ids,
+                 nb::ndarray<uint8_t, nb::c_contig> out, nb::ndarray<int32_t, nb::c_contig> bad, uintptr_t stream) {
+    TS_CHECK_ARG(ts::is_cpu(table) && ts::is_cpu(bad) && bad.size() == 1,
+                 "gather_rows: table and bad (one int32) must be CPU tensors in page-locked memory");
+    TS_CHECK_ARG(ts::is_cuda(ids) && ts::is_cuda(out) && ids.device_id() == out.device_id(),
+                 "gather_rows: ids and out must be on the same CUDA device");
+    const int64_t n = static_cast<int64_t>(ids.size()), row_bytes = static_cast<int64_t>(table.shape(1));
+    TS_CHECK_ARG(out.size() == static_cast<size_t>(n * row_bytes), "gather_rows: out must hold ", n * row_bytes,
+                 " bytes (ids x row), holds ", out.size());
+#ifdef TS_WITH_CUDA
+    const int device = static_cast<int>(ids.device_id());
+    const void* view = device_view_of_host(table.data(), device);
+    auto* flag = static_cast<int*>(const_cast<void*>(device_view_of_host(bad.data(), device)));
+    TS_CHECK_ARG(view != nullptr && flag != nullptr,
+                 "gather_rows: table and bad must be page-locked host memory the device can read");
+    gather_rows_cuda(view, static_cast<int64_t>(table.shape(0)), row_bytes, ids.data(), n, out.data(), flag, device,
+                     stream);
+#else
+    (void)stream;
+    ts::cuda_unavailable("gather_rows");
+#endif
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -124,4 +150,7 @@ NB_MODULE(_core, m) {
         return d;
     });
     m.def("host_limits", &describe_host_limits);
+    m.def("gather_rows", &gather_rows, nb::arg("table"), nb::arg("ids"), nb::arg("out").noconvert(),
+          nb::arg("bad").noconvert(), nb::arg("stream"),
+          "out[r] = table[ids[r]]: rows of a page-locked host table read by the device over the link, on `stream`.");
 }

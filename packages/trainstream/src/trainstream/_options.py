@@ -23,6 +23,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute_variant": ("full", "selective"),
     "compact_lora_inputs": ("auto", True, False),
     "stream_packing": ("auto", True, False),
+    "host_embedding": ("auto", True, False),
     "prefer": ("exact", "speed"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -57,6 +58,7 @@ class WrapOptions:
     attention: Any = WRAP_DEFAULT  # "auto" on one GPU, "default" elsewhere (attention.resolve_wrap_default)
     param_offload: Any = False
     stream_packing: Any = "auto"  # memory/packed_source.py; "auto": where host RAM holds the packed copies too
+    host_embedding: Any = "auto"  # memory/host_embedding.py; resolved by wrap() to True / False
     prefer: str = "exact"  # quantize="auto" with param_offload="auto": stream exact weights before quantizing
     peer: Any = "auto"
     distributed: bool | None = None

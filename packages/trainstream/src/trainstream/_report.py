@@ -66,6 +66,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "params": _quantized(session),
         "activations": session.activations.report(),
     })
+    if session.host_embedding is not None:
+        report["params"]["host_embedding"] = session.host_embedding.report()
     if session.weights is not None:
         stats = session.weights.stats()
         steps = max(session.steps, 1)

@@ -70,6 +70,7 @@ class TrainStreamSession:
         self.activations = None
         self.attention = self._attention = None
         self.weights = weights  # the WeightStreamer of param_offload=, attached below
+        self.host_embedding = None  # memory/host_embedding.py: the input embedding's table in host memory
         self.residency = None  # param_offload="auto": which streamed blocks stay (follow_tokens)
         self._handles: list = []
         self._hooks: list[EngineHook] = []
@@ -368,6 +369,22 @@ class TrainStreamSession:
         if action != "switch":
             self.trial = None
 
+    def install_host_embedding(self, embedding, why: str) -> None:
+        """host_embedding: the frozen input embedding's table moves to page-locked host memory (or an event
+        says why it stays)."""
+        from .memory.host_embedding import HostEmbedding
+
+        table = HostEmbedding(embedding, self.device, self.arena)
+        try:
+            self.host_embedding = table.install()
+        except RuntimeError as error:
+            table.remove()
+            self.events.add("memory", f"host_embedding: the input embedding stays in VRAM: {error}")
+            return
+        self.events.add("memory", f"host_embedding: the input embedding ({table.nbytes / GiB:.2f} GiB, frozen) lives in "
+                                  f"page-locked host memory; each lookup reads its rows over the link "
+                                  f"({table.weight.shape[1] * table.weight.element_size()} bytes a token)")
+
     # ---- teardown -------------------------------------------------------------------
 
     def _remove_weights(self) -> None:
@@ -392,6 +409,9 @@ class TrainStreamSession:
                 self._attention = None
             if self.weights is not None:
                 self._remove_weights()
+            if self.host_embedding is not None:
+                self.host_embedding.remove()
+                self.host_embedding = None
             if self.activations is not None:
                 self.activations.remove()
             if self.guard is not None:

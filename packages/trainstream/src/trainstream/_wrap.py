@@ -19,6 +19,7 @@ from .memory import residency
 from .memory.activations import blocks_of
 from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
+from .memory.host_embedding import host_embedding_candidate
 from .memory.lora_inputs import eligible_layers
 from .memory.plan import (
     PLAN_BATCH,
@@ -85,6 +86,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = parse_options(options)
     device = _training_device(model, opts.device)
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
+    embedding, embedding_why = _host_embedding_choice(model, device, opts)  # resolves opts.host_embedding
     offload_why = None
     inputs = _plan_inputs(model, device, opts)  # the blocks, the model's facts and the budget, measured once
     streamed_for = None  # param_offload='auto': the streamed blocks at the batch's real size (residency.py)
@@ -116,6 +118,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         elif any(p.device != device for p in model.parameters()) or quantized:
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
         session = TrainStreamSession(model, converted, opts, device, weights=streamer)
+        if embedding is not None:
+            session.install_host_embedding(embedding, embedding_why)
         session.plan = plan.to_dict()
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
@@ -221,7 +225,7 @@ def _auto_param_offload(model: torch.nn.Module, device: torch.device, opts,
             note = " (prefer='exact': even with every block streamed the exact weights do not fit, so they are quantized)"
     if fmt == "auto":
         resident = plan_wrap(facts, budget, quantize="auto", moment_dtype=opts.moment_dtype, activations=activations,
-                             streamed_blocks=0)
+                             streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts))
         if resident.plan is not None and resident.plan.fits:
             return False, ("param_offload='auto': none stream, quantize='auto' fits the weights"
                            + (note or " (prefer='speed'; pass quantize=None to stream exact weights instead)")), None
@@ -251,7 +255,8 @@ def _fewest_streamed(inputs, opts, fmt, tokens=(PLAN_BATCH, PLAN_SEQ)):
         plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=opts.moment_dtype, activations=activations,
                          streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
                          compact_lora_inputs=_compact_lora_inputs(opts, blocks),
-                         stream_packing=opts.stream_packing is not False)
+                         stream_packing=opts.stream_packing is not False,
+                         embedding_on_host=_embedding_on_host(opts, facts))
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -297,7 +302,7 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
         return plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
                          activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
                          streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
-                         stream_packing=packing)
+                         stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts))
 
     plan = planned(opts.stream_packing is not False)
     if opts.stream_packing == "auto":  # packed copies live beside the plain ones: only where host RAM has room
@@ -307,6 +312,26 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan
+
+
+def _host_embedding_choice(model: torch.nn.Module, device: torch.device, opts):
+    """(the embedding to keep in host memory or None, why), resolving opts.host_embedding to a bool; True
+    that cannot apply is refused before anything changes."""
+    embedding, why = host_embedding_candidate(model)
+    if device.type != "cuda":
+        embedding, why = None, "the model trains on the CPU, where it is in host memory already"
+    if opts.host_embedding is True and embedding is None:
+        raise ValueError(f"host_embedding=True cannot apply: {why}; use 'auto' or False")
+    if opts.host_embedding is False:
+        embedding = None
+    opts.host_embedding = embedding is not None
+    return embedding, why
+
+
+def _embedding_on_host(opts, facts) -> bool:
+    """What the plan prices: the embedding in host memory (ts-planner models a LoRA run's untied one)."""
+    shape = facts.shape
+    return bool(opts.host_embedding) and facts.train == "lora" and shape is not None and not shape.tie_word_embeddings
 
 
 def _compact_lora_inputs(opts, blocks) -> bool:

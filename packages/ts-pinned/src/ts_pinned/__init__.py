@@ -1,8 +1,10 @@
 """Page-locked host memory for PyTorch: slab arena, tagged blocks, stats, staging ring,
-and stream memory operations (a device counter one stream writes and another waits on)."""
+stream memory operations (a device counter one stream writes and another waits on), and row
+lookups the GPU makes straight from a page-locked host table."""
 
 from ._arena import PinnedArena, default_arena, empty, pinned_stats, reserve_pinned
 from ._budget import PageLockBudget, page_lock_budget
+from ._gather import gather_rows
 from ._staging import copy_to_device, staging_stats
 
 __all__ = [
@@ -11,6 +13,7 @@ __all__ = [
     "copy_to_device",
     "default_arena",
     "empty",
+    "gather_rows",
     "page_lock_budget",
     "pinned_stats",
     "reserve_pinned",

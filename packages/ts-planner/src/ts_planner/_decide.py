@@ -89,6 +89,7 @@ class Plan:
             "loss_chunk": o.loss_chunk, "resident_blocks": len(self.resident), "streamed_blocks": len(self.streamed),
             "streamed_block_indices": list(self.streamed), "streamed_shared_by": o.streamed_shared_by,
             "compact_lora_inputs": o.compact_lora_inputs, "stream_packing": o.stream_packing,
+            "embedding_on_host": o.embedding_on_host,
             "activations": {"keep": keep, "page": page, "recompute": recompute},
             "peak_vram_bytes": self.peak_vram_bytes, "cuda_context_bytes": self.estimate.vram["cuda_context"],
             "host_bytes": self.host_bytes, "pinned_bytes": self.estimate.pinned_bytes,
@@ -196,7 +197,7 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                 dtype: str = "bfloat16", quantize="auto", optimizer: str = "auto", moment_dtype: str = "auto",
                 activations="auto", streamed_blocks="auto", loss_chunk: int | None = None,
                 prefer: str = "exact", streamed_shared_by: int = 1, compact_lora_inputs: bool = False,
-                stream_packing: float = 1.0) -> Plan:
+                stream_packing: float = 1.0, embedding_on_host: bool = False) -> Plan:
     """The plan that fits changing the least, or the closest one with ``fits=False`` and the reason.
 
     Every argument given a value stays as given; each "auto" is chosen. In order of preference: no
@@ -206,7 +207,8 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     "recompute", "page" or (keep, page, recompute). More memory never quantizes, streams or recomputes more.
     ``streamed_shared_by``: processes of this machine sharing one host copy of the streamed frozen weights.
     ``compact_lora_inputs``: LoRA layers save their 16-bit input (``Options``). ``stream_packing``: the fraction
-    of a streamed block's frozen bytes that cross the link (``Options``).
+    of a streamed block's frozen bytes that cross the link; ``embedding_on_host``: the frozen input embedding
+    lives in host memory (both ``Options``).
     """
     if prefer not in ("exact", "speed"):
         raise ValueError(f"prefer={prefer!r} is not valid; use 'exact' or 'speed'")
@@ -214,7 +216,7 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     base = Options(batch=batch, seq=seq, train=train, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
                    adapter_dtype=adapter_dtype, dtype=dtype, loss_chunk=loss_chunk,
                    streamed_shared_by=streamed_shared_by, compact_lora_inputs=compact_lora_inputs,
-                   stream_packing=stream_packing)
+                   stream_packing=stream_packing, embedding_on_host=embedding_on_host)
     if quantize == "none":
         quantize = None
     if quantize == "auto":

@@ -31,6 +31,8 @@ class Options:
     option of that name). ``stream_packing``: the fraction of a streamed block's frozen bytes that cross the
     link (trainstream's ``stream_packing``: exponent-packed bf16, about 0.75; 1.0: as stored); below 1 a
     packed copy sits in host memory beside the plain one, and one staging buffer of it in VRAM.
+    ``embedding_on_host``: a LoRA run's frozen input embedding lives in page-locked host memory and the GPU
+    reads the rows it looks up over the link (trainstream's ``host_embedding``).
     """
 
     batch: int = 1
@@ -52,6 +54,7 @@ class Options:
     streamed_shared_by: int = 1
     compact_lora_inputs: bool = False
     stream_packing: float = 1.0
+    embedding_on_host: bool = False
 
     def __post_init__(self) -> None:
         def count(name, value, low):
@@ -88,6 +91,8 @@ class Options:
                              "(use train='lora', or quantize=None)")
         if self.optimizer not in ("host", "gpu"):
             raise ValueError(f"optimizer={self.optimizer!r} is not valid; use 'host' or 'gpu'")
+        if self.embedding_on_host and self.train != "lora":
+            raise ValueError("embedding_on_host is for a frozen embedding (train='lora'): a trained one updates in VRAM")
         if self.optimizer == "gpu" and self.train == "full" and self.streamed_blocks:
             raise ValueError("streamed_blocks needs optimizer='host' for full fine-tuning: a block whose weights "
                              "stream in is updated where its state lives, on the host")
@@ -171,6 +176,9 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     outer_trained = outer if o.train == "full" else 0
     trained = layers * block_trained + outer_trained
     resident = layers - o.streamed_blocks
+    if o.embedding_on_host and shape.tie_word_embeddings:
+        raise ValueError("embedding_on_host needs an untied embedding: a tied one is the output layer's weight too")
+    host_embedding = shape.hidden_size * shape.vocab_size * a if o.embedding_on_host else 0
 
     # Activations of one block: unique storage held in VRAM, every saved tensor for paging.
     saved = block_saved_tensors(shape, o.batch, o.seq, train=o.train, lora_rank=o.lora_rank,
@@ -207,7 +215,7 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
         "cuda_context": cuda_context_bytes,
         "trained_weights": resident * block_trained_bytes + outer_trained * a
                            + (o.streamed_blocks * block_trained_bytes if o.train == "lora" else 0),
-        "frozen_weights": resident * block_frozen_bytes + (outer * a if o.train == "lora" else 0),
+        "frozen_weights": resident * block_frozen_bytes + (outer * a if o.train == "lora" else 0) - host_embedding,
         "stream_buffers": min(o.streamed_blocks, 2) * block_bytes  # the block computing, the next arriving
                           + (round(o.stream_packing * block_frozen_bytes)  # the packed bytes' staging buffer
                              if o.streamed_blocks and o.stream_packing < 1 else 0),
@@ -226,12 +234,14 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
         streamed_host = -(-o.streamed_blocks * block_frozen_bytes // o.streamed_shared_by) + packed_copy
     else:  # a streamed full-FT block's bf16 copy is the host optimizer's upload buffer, already counted
         streamed_host = o.streamed_blocks * (block_frozen_bytes + (0 if o.optimizer == "host" else block_trained_bytes))
-    pinned = {"optimizer_state": host_state, "streamed_weights": streamed_host, "activation_pages": page * packed}
+    pinned = {"optimizer_state": host_state, "streamed_weights": streamed_host, "activation_pages": page * packed,
+              "embedding": host_embedding}
     host = {**pinned, "runtime": runtime_host_bytes}
 
     # In for forward, again for backward (and recompute); packed frozen bytes cross as packed.
     streamed_link = round(o.streamed_blocks * (block_frozen_bytes * o.stream_packing + block_trained_bytes) * 2)
-    h2d = streamed_link + page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
+    h2d = (streamed_link + page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
+           + (tokens * h * a if o.embedding_on_host else 0))  # the rows looked up
     d2h = page * packed + (trained * trained_dtype if o.optimizer == "host" else 0)
     block_fwd = 2 * tokens * matmul + 2 * o.batch * o.seq * o.seq * shape.q_dim  # causal attention: half of 4BT^2
     head_fwd = 2 * tokens * h * v
