@@ -211,3 +211,17 @@ def test_cuda_wrap_pages_the_compact_inputs_with_the_same_bits():
     assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b))
     assert all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
     assert 0 < paged_a < paged_b, (paged_a, paged_b)
+
+
+def test_a_saved_wrapped_model_loads_as_a_plain_one():
+    import io
+
+    model, _ = trainstream.wrap(_lora_qwen(), lr=1e-3)  # compact by default
+    ids = torch.randint(0, 101, (2, 9))
+    expected = model(input_ids=ids).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(input_ids=ids).logits, expected)
+    trainstream.unwrap(model)

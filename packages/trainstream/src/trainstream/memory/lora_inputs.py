@@ -33,8 +33,9 @@ _EXACT_UPCASTS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32
 _pending = threading.local()  # .cast: (float32 copy, source) of this thread's last LoRA input cast
 
 
-def _cast_remembering(self, x, dtype):
-    """PEFT's ``_cast_input_dtype`` (same result), remembering an exact upcast's source."""
+def _cast_input_dtype(self, x, dtype):
+    """PEFT's ``_cast_input_dtype`` (same result), remembering an exact upcast's source. Named as PEFT's method:
+    a pickled model's bound method unpickles by name, as PEFT's own."""
     if x is None:
         return None
     if not getattr(self, "cast_input_dtype_enabled", True) or x.dtype == dtype:
@@ -115,7 +116,7 @@ class CompactLoraInputs:
         self.layers = list(layers)
         self._linears: list[nn.Linear] = []
         for layer in self.layers:
-            layer._cast_input_dtype = types.MethodType(_cast_remembering, layer)
+            layer._cast_input_dtype = types.MethodType(_cast_input_dtype, layer)
             for name in layer.lora_A:
                 linear = layer.lora_A[name]
                 if type(linear) is nn.Linear:
