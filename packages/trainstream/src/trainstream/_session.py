@@ -369,7 +369,7 @@ class TrainStreamSession:
         if action != "switch":
             self.trial = None
 
-    def install_host_embedding(self, embedding, why: str) -> None:
+    def install_host_embedding(self, embedding) -> None:
         """host_embedding: the frozen input embedding's table moves to page-locked host memory (or an event
         says why it stays)."""
         from .memory.host_embedding import HostEmbedding

@@ -86,7 +86,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
     opts = parse_options(options)
     device = _training_device(model, opts.device)
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
-    embedding, embedding_why = _host_embedding_choice(model, device, opts)  # resolves opts.host_embedding
+    embedding = _host_embedding_choice(model, device, opts)  # resolves opts.host_embedding
     offload_why = None
     inputs = _plan_inputs(model, device, opts)  # the blocks, the model's facts and the budget, measured once
     streamed_for = None  # param_offload='auto': the streamed blocks at the batch's real size (residency.py)
@@ -119,7 +119,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
         session = TrainStreamSession(model, converted, opts, device, weights=streamer)
         if embedding is not None:
-            session.install_host_embedding(embedding, embedding_why)
+            session.install_host_embedding(embedding)
         session.plan = plan.to_dict()
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
@@ -298,6 +298,7 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
     quantize = ("auto" if device.type == "cuda" and streamer is None else None) if auto else opts.quantize
     streamed = len(streamer.streamed) if streamer is not None else 0
     shared_by = _streamed_shared_by(opts, streamer.host_bytes()) if streamed else 1
+
     def planned(packing: bool) -> WrapPlan:
         return plan_wrap(facts, budget, quantize=quantize, moment_dtype=opts.moment_dtype,
                          activations=_activations(opts, len(blocks)), streamed_blocks=streamed,
@@ -315,8 +316,8 @@ def _plan(model: torch.nn.Module, device: torch.device, opts, streamer, inputs=N
 
 
 def _host_embedding_choice(model: torch.nn.Module, device: torch.device, opts):
-    """(the embedding to keep in host memory or None, why), resolving opts.host_embedding to a bool; True
-    that cannot apply is refused before anything changes."""
+    """The embedding to keep in host memory (None: none), resolving opts.host_embedding to a bool; True
+    that cannot apply is refused, with the reason, before anything changes."""
     embedding, why = host_embedding_candidate(model)
     if device.type != "cuda":
         embedding, why = None, "the model trains on the CPU, where it is in host memory already"
@@ -325,13 +326,14 @@ def _host_embedding_choice(model: torch.nn.Module, device: torch.device, opts):
     if opts.host_embedding is False:
         embedding = None
     opts.host_embedding = embedding is not None
-    return embedding, why
+    return embedding
 
 
 def _embedding_on_host(opts, facts) -> bool:
-    """What the plan prices: the embedding in host memory (ts-planner models a LoRA run's untied one)."""
+    """What the plan prices: the embedding in host memory (ts-planner models a LoRA run's untied one) once
+    wrap() resolved host_embedding to True (_host_embedding_choice)."""
     shape = facts.shape
-    return bool(opts.host_embedding) and facts.train == "lora" and shape is not None and not shape.tie_word_embeddings
+    return opts.host_embedding is True and facts.train == "lora" and shape is not None and not shape.tie_word_embeddings
 
 
 def _compact_lora_inputs(opts, blocks) -> bool:
