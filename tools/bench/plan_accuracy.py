@@ -97,7 +97,13 @@ def _as_run_options(report: dict, scenario: dict, facts) -> dict:
                 moment_dtype=report["optimizer"]["moment_dtype"], optimizer="gpu" if on_gpu else "host",
                 keep=layers - page - recompute, page=page, recompute=recompute,
                 streamed_blocks=len(params.get("paged_blocks") or []),  # full fine-tunes stream trained weights too
-                compact_lora_inputs=bool(acts.get("compact_lora_layers")))
+                compact_lora_inputs=bool(acts.get("compact_lora_layers")), **_streaming_options(params))
+
+
+def _streaming_options(params: dict) -> dict:
+    """Options fields of a run's packed streaming and host-memory embedding (memory_report()["params"])."""
+    ratio = ((params.get("streaming") or {}).get("packed_ratio")) if params.get("paged_blocks") else None
+    return {"stream_packing": ratio or 1.0, "embedding_on_host": bool(params.get("host_embedding"))}
 
 
 def _prediction(plan) -> dict:
@@ -272,7 +278,8 @@ def _trial_rows(path: str, saved: dict) -> list[dict]:
                 quantize=weights.get("quantize"), optimizer="host", keep=policy.count("keep"),
                 page=policy.count("offload"), recompute=policy.count("recompute"),
                 streamed_blocks=len(weights.get("paged_blocks") or []),
-                compact_lora_inputs=bool((row.get("activations") or {}).get("compact_lora_layers")))
+                compact_lora_inputs=bool((row.get("activations") or {}).get("compact_lora_layers")),
+                **_streaming_options(weights))
             plan = ts_planner.check_plan(shape, budget, options)
             peak = trial["peak_bytes"]
             out.append({"scenario": f"{row['engine']} trial {options.keep}/{options.page}/{options.recompute}",
