@@ -154,6 +154,12 @@ def dequantize_reference(format: str, shape, data: torch.Tensor, scales: torch.T
     return values.to(dtype).reshape(shape)
 
 
+def _packed_offsets(n: int) -> tuple[int, int]:
+    """Where a packed segment of n values puts its offsets and its escape indices (parts 16-byte aligned)."""
+    at_nibbles = (n + 15) // 16 * 16
+    return at_nibbles, (at_nibbles + (n + 1) // 2 + 15) // 16 * 16
+
+
 def pack_bf16_reference(x: torch.Tensor, base: int) -> torch.Tensor:
     """The exponent-packed segment of bf16 `x` with window base .. base + 14 (csrc/packed_bf16.h), as uint8."""
     bits = x.contiguous().view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
@@ -165,9 +171,7 @@ def pack_bf16_reference(x: torch.Tensor, base: int) -> torch.Tensor:
     offset = torch.nn.functional.pad(offset, (0, n % 2))
     nibbles = offset[0::2] | (offset[1::2] << 4)
     index = escaped.nonzero().view(-1).to(torch.int32)
-    align = lambda v: (v + 15) // 16 * 16  # noqa: E731
-    at_nibbles = align(n)
-    at_indices = align(at_nibbles + (n + 1) // 2)
+    at_nibbles, at_indices = _packed_offsets(n)
     at_values = at_indices + 4 * index.numel()
     segment = torch.zeros(at_values + 2 * index.numel(), dtype=torch.uint8)
     segment[:n] = low.to(torch.uint8)
@@ -179,9 +183,7 @@ def pack_bf16_reference(x: torch.Tensor, base: int) -> torch.Tensor:
 
 def unpack_bf16_reference(segment: torch.Tensor, n: int, escapes: int, base: int) -> torch.Tensor:
     """The bf16 values of an exponent-packed segment (n values, `escapes` escapes, window base .. base + 14)."""
-    align = lambda v: (v + 15) // 16 * 16  # noqa: E731
-    at_nibbles = align(n)
-    at_indices = align(at_nibbles + (n + 1) // 2)
+    at_nibbles, at_indices = _packed_offsets(n)
     low = segment[:n].to(torch.int32)
     packed = segment[at_nibbles:at_nibbles + (n + 1) // 2].to(torch.int32)
     offset = torch.stack([packed & 0xF, packed >> 4], 1).view(-1)[:n]

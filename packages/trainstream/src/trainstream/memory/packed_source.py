@@ -23,16 +23,12 @@ import ts_pinned
 from ts_quant import pack_bf16, plan_bf16_packing, unpack_bf16
 
 from .sources import HostSource
+from .streamed_block import align, view_in
 
 __all__ = ["PackedHostSource"]
 
 MIN_BLOCK_SAVING = 0.10  # pack a block when its packed bytes are at most 90 % of its plain bytes
 MIN_PACKED_VALUES = 1 << 16  # smaller tensors (norms, biases) travel as they are
-_ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class _Part:
@@ -60,7 +56,6 @@ class PackedHostSource(HostSource):
         super().__init__()
         self.arena, self.is_cuda = arena, is_cuda
         self.blocks: dict[int, _PackedBlock] = {}
-        self.plain: dict[int, int] = {}  # block index -> its plain bytes (what a fetch would move unpacked)
         self.repacks = 0
         self._streamed: dict = {}  # the streamer's StreamedBlocks, whose plain host copies are packed
         self._staging: torch.Tensor | None = None
@@ -75,13 +70,8 @@ class PackedHostSource(HostSource):
                 continue
             packed = self._build(b)
             if packed is not None:
-                self.blocks[index], self.plain[index] = packed, b.nbytes
+                self.blocks[index] = packed
         return self
-
-    @staticmethod
-    def _plain(b, offset: int, p: torch.Tensor) -> torch.Tensor:
-        n = p.numel() * p.element_size()
-        return b.host[offset:offset + n].view(p.dtype)
 
     def _build(self, b, old: _PackedBlock | None = None) -> _PackedBlock | None:
         """Block `b` packed from its plain host copy (None when that would not pay, unless it replaces `old`:
@@ -90,22 +80,20 @@ class PackedHostSource(HostSource):
         for (_m, _n, p), offset in zip(b.params, b.offsets):
             plan = None
             if p.dtype == torch.bfloat16 and p.numel() >= MIN_PACKED_VALUES:
-                plan = plan_bf16_packing(self._plain(b, offset, p))
+                plan = plan_bf16_packing(view_in(b.host, offset, p))
             size = plan.nbytes if plan is not None else p.numel() * p.element_size()
             parts.append(_Part(p, offset, at, plan, size))
-            at += _align(size)
+            at += align(size)
         if old is None and at > (1 - MIN_BLOCK_SAVING) * b.nbytes:
             return None
         packed = _PackedBlock(parts, at)
-        if old is not None and old.host.numel() >= at:
-            if old.copied is not None:
-                old.copied.synchronize()  # invariant 4: no copy out of it is still in flight
+        if old is not None and old.host.numel() >= at:  # _repack waited for its copies (invariant 4)
             packed.host, packed.pinned = old.host, old.pinned
         else:
             packed.host = self.arena.empty(at, torch.uint8, tag="packed-weights", allow_pageable=True)
             packed.pinned = self.is_cuda and self.arena.is_pinned(packed.host)
         for part in parts:
-            plain = self._plain(b, part.plain_at, part.param)
+            plain = view_in(b.host, part.plain_at, part.param)
             segment = packed.host[part.packed_at:part.packed_at + part.nbytes]
             if part.plan is None:
                 segment.copy_(plain.view(torch.uint8))
@@ -171,7 +159,7 @@ class PackedHostSource(HostSource):
         self._staging = None
 
     def stats(self) -> dict:
-        plain = sum(self.plain.values())
+        plain = sum(self._streamed[i].nbytes for i in self.blocks)
         packed = sum(b.nbytes for b in self.blocks.values())
         return {**super().stats(), "packed_blocks": sorted(self.blocks), "packed_bytes": packed,
                 "packed_ratio": packed / plain if plain else None, "repacks": self.repacks}

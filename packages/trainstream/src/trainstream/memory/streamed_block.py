@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StreamedBlock", "frozen_params_of", "nbytes_of", "quantized_tensors", "streams_trained", "tensors_in",
-           "trained_params_of"]
+__all__ = ["StreamedBlock", "align", "frozen_params_of", "nbytes_of", "quantized_tensors", "streams_trained",
+           "tensors_in", "trained_params_of", "view_in"]
 
 
 def tensors_in(value, depth: int = 0):
@@ -24,8 +24,14 @@ def tensors_in(value, depth: int = 0):
 _ALIGN = 256  # bytes: each parameter's view starts aligned for vectorized kernels
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def view_in(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of flat uint8 `buffer` from `offset` seen as a tensor of `like`'s dtype and shape."""
+    n = like.numel() * like.element_size()
+    return buffer[offset:offset + n].view(like.dtype).view(like.shape)
 
 
 def quantized_tensors(q, prefix: str):
@@ -96,7 +102,7 @@ class StreamedBlock:
         self.offsets, offset = [], 0
         for _m, _n, p in params:
             self.offsets.append(offset)
-            offset += _align(p.numel() * p.element_size())
+            offset += align(p.numel() * p.element_size())
         self.nbytes = offset
         self.host = None  # flat uint8 host buffer
         self.pinned = False  # whether `host` is page-locked (else it streams through the staging ring)

@@ -70,6 +70,7 @@ from .streamed_block import (
     streams_trained,
     tensors_in,
     trained_params_of,
+    view_in,
 )
 
 __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "trained_params_of"]
@@ -184,10 +185,7 @@ class WeightStreamer:
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.streamed.values())
 
-    @staticmethod
-    def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-        n = like.numel() * like.element_size()
-        return buffer[offset:offset + n].view(like.dtype).view(like.shape)
+    _view = staticmethod(view_in)
 
     def private_host_bytes(self) -> int:
         """Host bytes this process alone holds for streamed blocks (0 when they are the machine's)."""
