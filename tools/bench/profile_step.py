@@ -93,7 +93,7 @@ def _kind(event: dict) -> str | None:
     return None
 
 
-def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[dict]:
+def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0, trace: str | None = None) -> list[dict]:
     """Per window between two ``marker`` annotations (``record_function(marker)``; the last one runs to
     the trace's end), seconds of GPU activity: ``busy`` (kernels, copies, memsets: their union),
     ``kernel``, ``h2d``, ``d2h`` (each class's union), ``h2d_alone`` (host-to-device copying while no
@@ -104,10 +104,12 @@ def gpu_busy_per_window(prof, marker: str = "train_step", top: int = 0) -> list[
     steady-state windows still average right."""
     import tempfile
 
+    # A profiler saves its trace once: with ``trace`` (a path) it is kept there, else in a temporary file.
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            events = json.load(trace)
+        path = trace or f.name
+        prof.export_chrome_trace(path)
+        with open(path) as saved:
+            events = json.load(saved)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     marks = sorted(e["ts"] for e in events if e.get("name") == marker and e.get("cat") == "user_annotation")
     device_events = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e), e) for e in events if _kind(e) and "ts" in e]
@@ -171,10 +173,10 @@ def profile_engine(engine: str, scenario: dict, wrap_options: dict, steps: int, 
             ids = batch()
             _sync(device)
             rows.append(_step(model, opt, ids, device))
-    busy = gpu_busy_per_window(prof) if device.type == "cuda" else [None] * len(rows)
+    busy = gpu_busy_per_window(prof, trace=trace) if device.type == "cuda" else [None] * len(rows)
     streamed = _streamed_h2d_bytes(model)
     streamed_per_step = (streamed - streamed_before) / len(rows) if streamed is not None else None
-    if trace:
+    if trace and device.type != "cuda":
         prof.export_chrome_trace(trace)
     averages = prof.key_averages()
     ops = sorted((a for a in averages if a.key != "train_step"), key=lambda a: a.self_cpu_time_total, reverse=True)
