@@ -16,13 +16,15 @@ import link_timeline  # noqa: E402
 
 def _trace() -> list[dict]:
     """One 30 ms step: stream 7 copies host-to-device 0-10 ms and decodes 20-24 ms, copies again 24-30 ms;
-    stream 9 computes 5-25 ms; the host runs aten::mm 12-14 ms. The link idles 10-20 ms, under the gemm."""
+    stream 9 computes 5-25 ms and uploads a few bytes (a batch's ids: still the compute stream); the host runs
+    aten::mm 12-14 ms. The link idles 10-20 ms, under the gemm."""
     return [
         {"name": "train_step", "cat": "user_annotation", "ts": 0, "dur": 30_000},
         {"name": "Memcpy HtoD (Pinned -> Device)", "cat": "gpu_memcpy", "ts": 0, "dur": 10_000, "tid": 7},
         {"name": "decode", "cat": "kernel", "ts": 20_000, "dur": 4_000, "tid": 7},
         {"name": "Memcpy HtoD (Pinned -> Device)", "cat": "gpu_memcpy", "ts": 24_000, "dur": 6_000, "tid": 7},
         {"name": "gemm", "cat": "kernel", "ts": 5_000, "dur": 20_000, "tid": 9},
+        {"name": "Memcpy HtoD (Pageable -> Device)", "cat": "gpu_memcpy", "ts": 15_000, "dur": 100, "tid": 9},
         {"name": "aten::mm", "cat": "cpu_op", "ts": 12_000, "dur": 2_000},
     ]
 
@@ -45,8 +47,10 @@ def test_command_line_reads_a_gzipped_trace(tmp_path):
     path = tmp_path / "step.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": _trace()}, f)
-    done = subprocess.run([sys.executable, str(BENCH / "link_timeline.py"), str(path), "--bin-ms", "10"],
-                          capture_output=True, text=True, timeout=60, cwd=BENCH)
+    saved = tmp_path / "window.json.gz"
+    done = subprocess.run([sys.executable, str(BENCH / "link_timeline.py"), str(path), "--bin-ms", "10",
+                           "--save-window", str(saved)], capture_output=True, text=True, timeout=60, cwd=BENCH)
     assert done.returncode == 0, done.stderr
-    assert "link busy 20.0 ms, compute busy 20.0 ms" in done.stdout
-    assert "    10.0   10.00   10.00  | gemm 10.0 | aten::mm 2.0" in done.stdout
+    assert "link busy 20.0 ms, compute busy 20.0 ms (link streams 7)" in done.stdout
+    assert "    10.0   10.00   10.00  | gemm 10.0 | aten::mm 2.0 | " in done.stdout
+    assert len(link_timeline.load_events(str(saved))) == len(_trace())

@@ -63,12 +63,22 @@ def analyse(events: list[dict], window: tuple[float, float], bin_ms: float, top_
     start, stop = window
     device = [(e["ts"], e["ts"] + e.get("dur", 0), _kind(e), e) for e in events
               if _kind(e) and "ts" in e and e["ts"] < stop and e["ts"] + e.get("dur", 0) > start]
-    link_streams = {e.get("tid") for _a, _b, k, e in device if k == "h2d"}
+    # A link stream spends more time copying host-to-device than running kernels (the compute stream's
+    # own small uploads, e.g. a batch's ids, do not make it one).
+    copying: dict = {}
+    for a, b, k, e in device:
+        sign = 1 if k == "h2d" else -1 if k == "kernel" else 0
+        copying[e.get("tid")] = copying.get(e.get("tid"), 0.0) + sign * (b - a)
+    link_streams = {tid for tid, balance in copying.items() if balance > 0}
     link = [(a, b) for a, b, _k, e in device if e.get("tid") in link_streams]
     compute = [(a, b, e) for a, b, k, e in device if k == "kernel" and e.get("tid") not in link_streams]
     host = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
             if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "ts" in e
             and e["ts"] < stop and e["ts"] + e.get("dur", 0) > start and e.get("name") != "train_step"]
+    # CUDA runtime calls: a synchronize that blocks the host shows here (a gap where the host waits).
+    runtime = [(e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "ts" in e
+               and e["ts"] < stop and e["ts"] + e.get("dur", 0) > start]
     bins = []
     width = bin_ms * 1e3
     t = start
@@ -82,10 +92,12 @@ def analyse(events: list[dict], window: tuple[float, float], bin_ms: float, top_
     for a, b in sorted(gaps):
         kernels = [(e["name"], (min(y, b) - max(x, a)) / 1e3) for x, y, e in compute if x < b and y > a]
         ops = [(e["name"], (min(y, b) - max(x, a)) / 1e3) for x, y, e in host if x < b and y > a]
+        calls = [(e["name"], (min(y, b) - max(x, a)) / 1e3) for x, y, e in runtime if x < b and y > a]
         described.append({"at_ms": (a - start) / 1e3, "ms": (b - a) / 1e3,
                           "compute_ms": _union_us([(max(x, a), min(y, b)) for x, y, _e in compute
                                                    if x < b and y > a]) / 1e3,
-                          "kernels": sum_by_name(kernels, 3), "host": sum_by_name(ops, 4)})
+                          "kernels": sum_by_name(kernels, 3), "host": sum_by_name(ops, 4),
+                          "runtime": sum_by_name(calls, 2)})
     return {"window_ms": (stop - start) / 1e3, "link_ms": _union_us(link) / 1e3,
             "compute_ms": _union_us([(a, b) for a, b, _e in compute]) / 1e3,
             "link_streams": sorted(str(s) for s in link_streams), "bins": bins, "gaps": described}
@@ -103,11 +115,13 @@ def report(result: dict) -> None:
             line = []
     if line:
         print("  " + "   ".join(line))
-    print("longest link gaps, in time order (at ms, length ms, compute busy ms inside; top kernels; host ops):")
+    print("longest link gaps, in time order (at ms, length ms, compute busy ms inside; top kernels; host ops; "
+          "CUDA runtime calls):")
     for g in result["gaps"]:
         kernels = ", ".join(f"{n[:40]} {t:.1f}" for n, t in g["kernels"])
         ops = ", ".join(f"{n[:40]} {t:.1f}" for n, t in g["host"])
-        print(f"  {g['at_ms']:8.1f} {g['ms']:7.2f} {g['compute_ms']:7.2f}  | {kernels} | {ops}")
+        calls = ", ".join(f"{n[:30]} {t:.1f}" for n, t in g.get("runtime", []))
+        print(f"  {g['at_ms']:8.1f} {g['ms']:7.2f} {g['compute_ms']:7.2f}  | {kernels} | {ops} | {calls}")
 
 
 def main() -> None:
@@ -116,12 +130,20 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=-1, help="which train_step window (default the last)")
     parser.add_argument("--bin-ms", type=float, default=20.0)
     parser.add_argument("--gaps", type=int, default=15, help="how many of the longest link gaps to list")
+    parser.add_argument("--save-window", default=None, metavar="PATH.json.gz",
+                        help="also write that window's events alone, gzipped (small enough to copy off a machine)")
     args = parser.parse_args()
     events = load_events(args.trace)
     found = windows(events)
     if not found:
         raise SystemExit(f"{args.trace}: no train_step annotation (record it with profile_step.py --trace)")
-    report(analyse(events, found[args.step], args.bin_ms, args.gaps))
+    window = found[args.step]
+    report(analyse(events, window, args.bin_ms, args.gaps))
+    if args.save_window:
+        start, stop = window
+        kept = [e for e in events if "ts" not in e or (e["ts"] < stop and e["ts"] + e.get("dur", 0) > start)]
+        with gzip.open(args.save_window, "wt") as f:
+            json.dump({"traceEvents": kept}, f)
 
 
 if __name__ == "__main__":
