@@ -4,6 +4,7 @@ applies them (hypothesis)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -261,6 +262,39 @@ def test_stalls_from_timings_attributes_every_second_once():
     assert over["link_s"] == pytest.approx(0.75) and over["none_s"] == 0.0
     with pytest.raises(ValueError, match="unknown wait cause"):
         stalls_from_timings(1.0, {"compute": 0.1})
+
+
+def test_timed_channel_times_only_waits_that_can_stall(monkeypatch):
+    """A compute-stream wait on a copy that already finished (or on no copy) cannot stall: it is passed on
+    without the two timing events, which cost the training thread more than such a wait (thousands a
+    step on the H200: prefetched pages and weights). A wait on a copy still running is timed."""
+    from trainstream._stalls import StallClock, _TimedChannel
+
+    class Token:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    class Channel:
+        def __init__(self):
+            self.waited = []
+
+        def compute_wait(self, token):
+            self.waited.append(token)
+
+    clock = StallClock(torch.device("cpu"), busy=lambda: 0.0)
+    monkeypatch.setattr(StallClock, "cuda", property(lambda self: True))
+    timed = []
+    monkeypatch.setattr(clock, "device_wait", lambda cause: timed.append(cause) or contextlib.nullcontext())
+    channel = Channel()
+    view = _TimedChannel(channel, clock)
+    finished, running = Token(True), Token(False)
+    for token in (None, finished, running):
+        view.compute_wait(token)
+    assert channel.waited == [None, finished, running]  # every wait still reaches the stream
+    assert timed == ["link"]  # only the running copy's
 
 
 def test_a_slow_host_optimizer_shows_as_host_optimizer_stalls(monkeypatch):
