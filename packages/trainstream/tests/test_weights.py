@@ -134,3 +134,56 @@ def test_the_copy_timer_reads_completed_pairs_and_never_waits():
     timer._pending.extend([(Event(True, 0.0), Event(True, 1.0), 300), (Event(True, 0.0), Event(False, 2.0), 400)])
     assert timer.rate() == 400 / 1.5  # the unfinished pair is not read
     assert len(timer._pending) == 1
+
+
+def test_a_blocks_other_modules_skip_the_prefetch_and_change_nothing(monkeypatch):
+    """use() prefetches the next streamed blocks at a block's first module only (per direction); its other
+    modules skip the walk over the block list. Same fetches, evictions and bits as walking at every module."""
+    peft = pytest.importorskip("peft")
+    from trainstream.memory import weights as weights_module
+
+    def lora():
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
+        return peft.get_peft_model(tiny_llama(), config)
+
+    walks = []
+    real_sorted = sorted
+    monkeypatch.setattr(weights_module, "sorted", lambda *a, **k: walks.append(1) or real_sorted(*a, **k),
+                        raising=False)
+    real_use = weights_module.WeightStreamer.use
+    runs = []
+    for every_module in (False, True):
+        def use(self, index, ahead=1, _every=every_module):
+            if _every:
+                self._prefetched_after = None  # the walk at every module, as before
+            return real_use(self, index, ahead)
+
+        monkeypatch.setattr(weights_module.WeightStreamer, "use", use)
+        walks.clear()
+        model, opt = trainstream.wrap(lora(), lr=1e-3, param_offload=True, prefetch_depth=1)
+        losses = train(model, opt, batches(3))
+        streaming = trainstream.memory_report(model)["params"]["streaming"]
+        counts = {k: streaming[k] for k in ("fetches", "prefetched", "evictions", "h2d_bytes")}
+        runs.append((losses, _params(model), counts, len(walks)))
+        trainstream.unwrap(model)
+    (losses, params, counts, walked), (losses_every, params_every, counts_every, walked_every) = runs
+    assert losses == losses_every and all(torch.equal(a, b) for a, b in zip(params, params_every))
+    assert counts == counts_every and counts["prefetched"] > 0
+    assert 0 < walked < walked_every / 2  # several modules per block
+
+
+def test_an_eviction_renews_the_prefetch_of_the_block_in_use():
+    """The skip in use() holds only while nothing was evicted since the block's first module: after an
+    eviction (evict_all, keep, a stale block dropped) the same block's next use prefetches again."""
+    model, opt = trainstream.wrap(_frozen_stack(depth=6), lr=1e-3, param_offload=True, prefetch_depth=1)
+    _run(model, opt, steps=1)
+    weights = model._trainstream_session.weights
+    first, second = sorted(weights.streamed)[:2]
+    with torch.no_grad():
+        weights.use(first, 1)
+        assert second in weights._lru
+        weights.evict_all()
+        weights.use(first, 1)
+    assert first in weights._lru and second in weights._lru
+    trainstream.unwrap(model)

@@ -118,6 +118,10 @@ class WeightStreamer:
         self._kept_resident: set[int] = set()  # the kept blocks fetched so far
         self._freeing: collections.deque = collections.deque()  # compute-stream events after evictions
         self._current: int | None = None
+        # (block, direction) whose next blocks its use() prefetched; any eviction clears it. A block's other
+        # modules then skip the prefetch: thousands of calls a step, each walking the block list (H200
+        # profile, 2026-12-03: the host, not the link, bounds a streamed 14B step at 1 x 512).
+        self._prefetched_after: tuple[int, int] | None = None
         self._handles, self._hooks = [], []
         self.peak_resident = 0
         self.source: HostSource | PeerSource = HostSource()  # where fetched bytes come from
@@ -309,6 +313,9 @@ class WeightStreamer:
             b.used = True
             if index in self.kept:
                 b.ready = None  # the compute stream is ordered after its one copy from now on
+        key = (index, 1 if ahead > 0 else -1)
+        if key == self._prefetched_after:
+            return
         streaming = [i for i in self.streamed if i not in self.kept]
         order = sorted(streaming) if ahead > 0 else sorted(streaming, reverse=True)
         later = [i for i in order if (i > index if ahead > 0 else i < index)][: self.prefetch_depth]
@@ -316,6 +323,7 @@ class WeightStreamer:
             if i not in self._lru:
                 self._fetch(i)
                 self.counters["prefetched"] += 1
+        self._prefetched_after = key
 
     # ---- resident blocks --------------------------------------------------------------------
 
@@ -399,6 +407,7 @@ class WeightStreamer:
             self._freeing.append(freed)
         self._lru.pop(index, None)
         self._kept_resident.discard(index)
+        self._prefetched_after = None
         self.counters["evictions"] += 1
 
     def _wait_for_freed(self) -> None:
@@ -453,6 +462,7 @@ class WeightStreamer:
             del self._lru[index]
             self._kept_resident.add(index)
         self.kept = wanted
+        self._prefetched_after = None  # the blocks that stream, and so the prefetched ones, changed
         return sorted(wanted)
 
     def check_load(self, model: torch.nn.Module, state_dict: dict, prefix: str) -> None:
