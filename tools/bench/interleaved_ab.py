@@ -103,13 +103,16 @@ def run_once(version: str, base_dir: pathlib.Path | None, hook_dir, args, out: p
     return row
 
 
+def row_line(r: dict) -> str:
+    median = f"{r['median_s']:.3f}" if r.get("median_s") else r.get("outcome", "?")[:40]
+    peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "-"
+    steps = " ".join(f"{s:.3f}" for s in r.get("steps_s") or [])
+    return f"{r['round']:5d} {r['version']:>7s} {median:>9s} {peak:>8s}  {steps}"
+
+
 def summary(rows: list[dict]) -> list[str]:
     lines = [f"{'round':>5s} {'version':>7s} {'median s':>9s} {'peak GB':>8s}  steps (s)"]
-    for r in rows:
-        median = f"{r['median_s']:.3f}" if r.get("median_s") else r.get("outcome", "?")[:40]
-        peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "-"
-        steps = " ".join(f"{s:.3f}" for s in r.get("steps_s") or [])
-        lines.append(f"{r['round']:5d} {r['version']:>7s} {median:>9s} {peak:>8s}  {steps}")
+    lines += [row_line(r) for r in rows]
     for version in ("base", "head"):
         medians = [r["median_s"] for r in rows if r["version"] == version and r.get("median_s")]
         if medians:
@@ -140,8 +143,8 @@ def main() -> None:
             parser.error(f"{base_dir} holds no trainstream package")
         hook = write_hook(tmp)
         where = {"base": imported_from(base_dir, hook), "head": imported_from(None)}
-        if not where["base"].startswith(str(base_dir)) or where["base"] == where["head"]:
-            raise SystemExit(f"both versions import trainstream from {where['head']}: the base is not swapped in")
+        if not where["base"].startswith(str(base_dir)):
+            raise SystemExit(f"the base version imports trainstream from {where['base']}, not {base_dir}: it is not swapped in")
         print(f"base: {args.base or args.base_dir} -> {where['base']}\nhead: installed -> {where['head']}")
         rows = []
         for round_ in range(1, args.rounds + 1):
@@ -149,7 +152,7 @@ def main() -> None:
                 row = run_once(version, base_dir if version == "base" else None, hook, args,
                                tmp / f"{version}-{round_}.json")
                 rows.append({"round": round_, **row})
-                print(summary([rows[-1]])[1], flush=True)
+                print(row_line(rows[-1]), flush=True)
     print("\n".join(summary(rows)))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"imported_from": where, "args": vars(args) | {
