@@ -21,6 +21,9 @@ Engines, LoRA scenarios: stock-lora (bf16 base, fused torch AdamW on the adapter
   bf16 compute, PEFT's bnb LoRA layer, fused torch AdamW), bnb-qlora-ckpt (the same with Hugging Face
   non-reentrant gradient checkpointing), trainstream-lora (wrap(model, opt, quantize="nf4") on the bf16
   base held in host memory, as a loaded checkpoint is), trainstream-lora-bf16 (quantize=None).
+--compile-blocks MODE: after setup, each block (find_blocks) is compiled in place with torch.compile(mode=MODE)
+(default, reduce-overhead, max-autotune-no-cudagraphs); under reduce-overhead the tensors of ts-quant
+weights are marked static addresses (resident weights: no copy into the CUDA graphs per replay).
 --wrap-option key=value (repeatable, value through ast.literal_eval, else the string) goes to every
 trainstream engine's wrap() and overrides its own choice; names are not checked here: wrap() refuses
 unknown ones and the engine reports the error as its outcome.
@@ -103,7 +106,7 @@ def _failure(e: BaseException, where: str) -> str:
     return f"{where} raised {type(e).__name__}: {text[:400]}"
 
 
-def _run_engine(engine: str, scenario: dict, wrap_options: dict) -> dict:
+def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: str | None = None) -> dict:
     """One engine in this process: returns step times, peak VRAM and what it decided."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cap = None if engine.endswith("-uncapped") else scenario["vram_gb"]
@@ -121,6 +124,8 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict) -> dict:
 
     try:
         model, opt = engines.setup(engine, scenario, device, dtype, wrap_options, info)
+        if compile_mode:
+            info["compiled_blocks"] = engines.compile_blocks(model, compile_mode)
     except engines.EngineUnavailable as e:
         return {**result, "outcome": str(e)}
     except Exception as e:  # an engine's failure is its outcome
@@ -176,12 +181,15 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict) -> dict:
     return result
 
 
-def _child(engine: str, scenario_name: str, timeout: float, steps: int | None, wrap_option_args: list[str]) -> dict:
+def _child(engine: str, scenario_name: str, timeout: float, steps: int | None, wrap_option_args: list[str],
+           compile_mode: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--scenario", scenario_name]
     if steps:
         cmd += ["--steps", str(steps)]
     for text in wrap_option_args:
         cmd += ["--wrap-option", text]
+    if compile_mode:
+        cmd += ["--compile-blocks", compile_mode]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -278,6 +286,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
     parser.add_argument("--wrap-option", type=_wrap_option, action="append", default=[], metavar="KEY=VALUE",
                         help="extra trainstream.wrap() option for every trainstream engine (repeatable)")
+    parser.add_argument("--compile-blocks", default=None, choices=engines.COMPILE_MODES, metavar="MODE",
+                        help="torch.compile each block in place with this mode: " + ", ".join(engines.COMPILE_MODES))
     parser.add_argument("--json", default=None, help="write the results here (also after each engine)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -286,7 +296,8 @@ def main() -> None:
         scenario["steps"] = args.steps
     wrap_options = dict(args.wrap_option)
     if args.child:
-        print("RESULT " + json.dumps(_run_engine(args.child, scenario, wrap_options), default=str), flush=True)
+        result = _run_engine(args.child, scenario, wrap_options, args.compile_blocks)
+        print("RESULT " + json.dumps(result, default=str), flush=True)
         sys.stderr.flush()
         os._exit(0)  # skip tearing down tens of GB and the engine's threads: the result is out
     lora = bool(scenario.get("lora"))
@@ -298,7 +309,7 @@ def main() -> None:
     for engine in engine_list:
         skip = engines.not_applicable(engine, scenario)
         result = ({"engine": engine, "outcome": skip, "median_s": None, "peak_gb": None} if skip
-                  else _child(engine, args.scenario, args.timeout, args.steps, passthrough))
+                  else _child(engine, args.scenario, args.timeout, args.steps, passthrough, args.compile_blocks))
         print(f"{engine}: {result.get('outcome')} {result.get('median_s') or ''}", flush=True)
         results.append(result)
         _save(args.json, partial, results)
@@ -314,6 +325,8 @@ def main() -> None:
               f"{os.cpu_count()} CPUs")
     if wrap_options:
         header += f"; wrap options {wrap_options}"
+    if args.compile_blocks:
+        header += f"; blocks compiled (mode {args.compile_blocks})"
     header += f"; link {link / 1e9:.1f} GB/s; host AdamW {adamw_rate / 1e9:.2f} G values/s"
     print("\n" + header + "\n")
     print("| Engine | Median step | Peak VRAM | Lower bound | Outcome |\n|---|---|---|---|---|")

@@ -1,12 +1,13 @@
 """torch.compile of a wrapped model's blocks: it works, and trains like the uncompiled wrapped model.
 
 What was found (torch 2.13, CPU, backend "aot_eager"; dynamo's graph-break counters): plain blocks
-compile whole; the per-parameter engine hooks run outside the graphs (post-accumulate-grad hooks fire
-from autograd, after the compiled backward). Graph breaks, not errors, where dynamo cannot trace:
-quantized_linear (a native nanobind call inside an autograd.Function: one break per quantized
-linear), activation paging (``saved_tensors_hooks`` is marked skip: breaks around each block),
-recompute (its checkpoint mutates state outside the checkpoint HOP: dynamo falls back for it).
-Each of those runs eagerly inside the compiled block, with the same losses.
+and blocks of quantized LoRA layers compile whole (quantized_linear is a custom op under tracing), one
+graph for the first block (its input needs no gradient) and one for all the others; the per-parameter
+engine hooks run outside the graphs (post-accumulate-grad hooks fire from autograd, after the compiled
+backward; the forward waits skip under tracing, the root guard orders the updates). Graph breaks, not
+errors, where dynamo cannot trace: activation paging (``saved_tensors_hooks`` is marked skip: breaks
+around each block), recompute (its checkpoint mutates state outside the checkpoint HOP: dynamo falls
+back for it). Each of those runs eagerly inside the compiled block, with the same losses.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ def _layers(model):
     return base.model.layers
 
 
-def _train(model, compile_backend, device="cpu", **options):
+def _train(model, compile_backend, device="cpu", steps=STEPS, compile_after=0, **options):
+    """Losses of `steps` steps; the blocks compiled (in place: the module and its hooks stay the same
+    objects) before step `compile_after`."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     model, opt = trainstream.wrap(model, opt, device=device, **options)
-    if compile_backend:
-        for layer in _layers(model):
-            layer.compile(backend=compile_backend, dynamic=False)  # in place: the module (and its hooks) stay the same object
     losses = []
-    for ids in batches(STEPS):
+    for step, ids in enumerate(batches(steps)):
+        if compile_backend and step == compile_after:
+            for layer in _layers(model):
+                layer.compile(backend=compile_backend, dynamic=False)
         loss = loss_of(model, ids.to(device))
         loss.backward()
         opt.step()
@@ -62,6 +65,7 @@ CASES = {
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: each test counts its own graphs and breaks
     yield
     torch._dynamo.reset()
 
@@ -83,6 +87,21 @@ def test_compiled_blocks_train_like_uncompiled(case):
     assert all(type(layer).__name__ != "OptimizedModule" for layer in _layers(compiled_model))
 
 
+def test_quantized_lora_blocks_compile_whole():
+    # quantized_linear was a graph break per call (a nanobind call dynamo cannot trace) and each block
+    # a recompile (guards on the forward waits' engine state) until the recompile limit gave up.
+    model = tiny_llama(layers=4)
+    model.config.use_cache = False  # a cache puts each layer's index in the guards
+    model = _lora(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _train(model, "aot_eager", steps=3, quantize="nf4")
+    counters = torch._dynamo.utils.counters
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["frames"]["ok"] > 0
+    assert counters["stats"]["unique_graphs"] <= 2  # the first block's and the others'
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -97,3 +116,52 @@ def test_compiled_blocks_train_like_uncompiled_on_cuda(case, backend):
     # inductor fuses and reorders bf16 arithmetic: close, not equal
     tol = dict(rel=1e-6, abs=1e-7) if backend == "aot_eager" else dict(rel=2e-2, abs=2e-2)
     assert compiled == pytest.approx(eager, **tol)
+
+
+def test_compiling_a_block_whose_weights_stream_is_refused_clearly():
+    # A compiled block is one backward node: the fetches streaming hangs on its modules' outputs
+    # cannot happen inside it (it failed in backward, a saved weight overwritten by the next fetch).
+    model = _lora(tiny_llama())
+    with pytest.raises(RuntimeError, match="weights stream from host memory is not supported"):
+        _train(model, "aot_eager", quantize="nf4", param_offload=True)
+
+
+def test_a_compile_orders_the_pending_updates_and_survives_a_dynamo_reset():
+    # guard_params=False: step() leaves the ordering of each update to the next forward (engine/guard.py).
+    model = tiny_llama()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = trainstream.wrap(model, opt, guard_params=False)
+    session = model._trainstream_session
+    ids = batches(1)[0]
+
+    def step():
+        loss_of(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        return [s for s in session.engine.slots if s.written is not None]
+
+    assert step() and not session.guard.compiled  # eager: updates pending until the next forward
+    torch._dynamo.reset()  # drops dynamo's callbacks: the next forward registers the guard's again
+    with torch.no_grad():
+        loss_of(model, ids)
+    assert step()  # layer 0's waits ran eagerly last time: the root guard leaves its updates to them
+    _layers(model)[0].compile(backend="aot_eager", dynamic=False)
+    with torch.no_grad():
+        loss_of(model, ids)  # compiles layer 0, whose waits then skip: the callback ordered every update first
+    assert session.guard.compiled
+    assert not [s for s in session.engine.slots if s.written is not None]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["cpu", "gpu"])
+def test_blocks_compiled_mid_run_read_every_update(mode):
+    # The first compiled forward skips the per-module waits: what orders the updates of the eager step
+    # before it is the compile callback (and from then on the root guard). With guard_params=False
+    # step() leaves that ordering to the forward; aot_eager keeps the bits.
+    model = tiny_llama(dtype=torch.bfloat16)
+    twin = copy.deepcopy(model)
+    options = dict(optimizer_mode=mode, offload=True, guard_params=False)
+    _, eager = _train(model, None, device="cuda", steps=4, **options)
+    _, compiled = _train(twin, "aot_eager", device="cuda", steps=4, compile_after=2, **options)
+    assert compiled == eager

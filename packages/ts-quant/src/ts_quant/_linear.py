@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _fused, _plan, _scaled
+from . import _compiled, _fused, _plan, _scaled
 from ._tensor import QuantizedTensor, quantize
 from ._tiled import tiled_linear
 
@@ -170,6 +170,36 @@ def _build_plan(x: torch.Tensor, q: QuantizedTensor) -> _plan.LinearPlan:
     return plan
 
 
+def checked_plan(x: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None,
+                 outliers: float) -> _plan.LinearPlan | None:
+    """q's plan for x (built on the first call, when caching is on), every operand checked where no valid
+    plan vouches for them; None: the unplanned path."""
+    plan = None
+    if _settings["cache"]:
+        plan = _plan.cached_plan(q, x, _generation[0])
+    if plan is None or x.shape[-1] != plan.k or outliers or (bias is not None and bias.shape != (plan.n,)):
+        _check_operands(x, q, bias, outliers)
+        if _settings["cache"] and plan is None and not _capturing(x):
+            plan = _build_plan(x, q)
+    return plan
+
+
+def dequantized_like(q: QuantizedTensor, plan: _plan.LinearPlan | None, like: torch.Tensor) -> torch.Tensor:
+    """q decoded in like's dtype: through the plan where it still holds (the weight may have been
+    written since it was made), else q.dequantize."""
+    if plan is not None and plan.generation == _generation[0] and plan.token == _plan.weight_token(q) \
+            and like.device == plan.device:
+        return plan.dequantize(like)
+    return q.dequantize(like.dtype)
+
+
+def input_grad(grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The input gradient of x @ w^T: grad_out @ w (matmul folds leading dims into one mm: the same bits)."""
+    if grad_out.dim() >= 2:
+        return grad_out @ w
+    return (grad_out.reshape(1, -1) @ w).reshape(w.shape[1])
+
+
 def _run(x: torch.Tensor, q: QuantizedTensor, plan: _plan.LinearPlan | None, bias: torch.Tensor | None,
          outliers: float) -> torch.Tensor:
     """The forward for x of any rank; `plan` None: the unplanned path (every choice made again)."""
@@ -218,16 +248,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         grad_x = grad_bias = None
         needs = ctx.needs_input_grad
         if needs[0]:
-            # the plan's dequantize where it still holds (the weight may have been written since forward)
-            if plan is not None and plan.generation == _generation[0] and plan.token == _plan.weight_token(qweight) \
-                    and grad_out.device == plan.device:
-                w = plan.dequantize(grad_out)
-            else:
-                w = qweight.dequantize(grad_out.dtype)
-            if grad_out.dim() >= 2:  # matmul folds the leading dims into one mm itself: the same bits
-                grad_x = grad_out @ w
-            else:
-                grad_x = (grad_out.reshape(1, -1) @ w).reshape(qweight.shape[1])
+            grad_x = input_grad(grad_out, dequantized_like(qweight, plan, grad_out))
         if needs[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, None, grad_bias, None, None
@@ -251,16 +272,12 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tens
     What is constant per weight (path, scales, addresses, descriptors) is cached on it after the
     first call (``configure_linear(cache=False)`` turns that off); every argument is checked then.
     """
-    plan = None
-    if _settings["cache"]:
-        plan = _plan.cached_plan(qweight, x, _generation[0])
-    if plan is None or x.shape[-1] != plan.k or outliers or (bias is not None and bias.shape != (plan.n,)):
-        _check_operands(x, qweight, bias, outliers)
-        if _settings["cache"] and plan is None and not _capturing(x):
-            plan = _build_plan(x, qweight)
+    if _is_compiling():  # one traceable op per call: no graph break, no Python guards on addresses
+        return _compiled.traced_linear(x, qweight, bias, float(outliers))
+    plan = checked_plan(x, qweight, bias, outliers)
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         return _run(x, qweight, plan, bias, float(outliers))  # no graph to record
-    if _functorch_active() or _is_compiling():
+    if _functorch_active():
         return _QuantizedLinearFn.apply(x, qweight, bias, float(outliers), plan)
     return _c_apply(_unwrap_if_dead(x), qweight, None if bias is None else _unwrap_if_dead(bias),
                     float(outliers), plan)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._formats import check_block, check_format, check_input, fp8_grid
 from ._native import native_dequantize, native_quantize
@@ -14,6 +16,10 @@ __all__ = ["QuantizedTensor", "quantize"]
 
 # Double quantization of NF4 absmax values: int8 blocks of this many scales.
 DOUBLE_QUANT_BLOCK = 256
+
+# codes tensor -> weak reference to the QuantizedTensor that holds it (keys by identity: a tensor's ==
+# is elementwise). Neither side keeps the other alive.
+_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _scale_count(format: str, shape: torch.Size, block: int) -> int:
@@ -64,6 +70,15 @@ class QuantizedTensor:
         if cache and name != "_cache":
             cache.clear()
         object.__setattr__(self, name, value)
+        if name == "data" and isinstance(value, torch.Tensor):
+            _owners[value] = weakref.ref(self)
+
+    @staticmethod
+    def owner_of(data: torch.Tensor) -> QuantizedTensor | None:
+        """The live QuantizedTensor whose codes are the tensor object `data` (the last one given it), or None.
+        Compiled graphs pass a weight's tensors, not the object: this finds its cached plans again."""
+        ref = _owners.get(data)
+        return None if ref is None else ref()
 
     # ---- facts -------------------------------------------------------------
     @property

@@ -7,9 +7,20 @@ other than its owner, or outside any forward, e.g. a tied output projection in a
 by the guard on the root: parameters whose owners did not run in the previous forward are
 ordered before the next one starts. The root guard is also where parameters unfrozen since the
 last forward start training.
+
+Under torch.compile the per-module waits do nothing (traced, they would put guards on the engine's
+state: a recompile whenever an update is pending or not). Once dynamo has compiled anything in this
+process the root guard, which always runs eagerly, orders every pending update before the forward
+starts, and the compile itself does too: the moment a region is compiled (dynamo's start callback,
+eager, before that region runs) every pending update is ordered, so the first compiled forward after
+eager ones reads updated weights as well. The cost: with host AdamW, a compiled forward starts after
+the last update is issued instead of overlapping the last ones.
 """
 
 from __future__ import annotations
+
+import sys
+import weakref
 
 import torch
 
@@ -17,6 +28,46 @@ from .hooks import EngineHook
 from .slots import ParamSlot
 
 __all__ = ["ForwardGuard"]
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _dynamo_has_compiled() -> bool:
+    """Whether dynamo has compiled a frame in this process (code compiled before wrap() can run now)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo is not None and dynamo.counters["frames"]["ok"] > 0
+
+
+def _register_compile_start(fn, registered=None):
+    """Calls fn at the start of every dynamo compile (eagerly, before the compiled code first runs);
+    `registered`: what an earlier call returned, kept when dynamo still holds it."""
+    from torch._dynamo.callback import callback_handler
+
+    callbacks = callback_handler.start_callbacks
+    if registered is not None and any(c is registered for c in callbacks):
+        return registered
+    return callback_handler.register_start_callback(fn)
+
+
+def _remove_compile_start(fn) -> None:
+    if fn is None:
+        return
+    from torch._dynamo.callback import callback_handler
+
+    try:
+        callback_handler.remove_start_callback(fn)
+    except ValueError:  # already removed (dynamo's reset clears its callbacks)
+        pass
+
+
+def _compile_callback(guard_ref):
+    def compile_started(*_args) -> None:
+        guard = guard_ref()
+        if guard is not None:
+            guard.compiled = True
+            guard._order_all()
+
+    return compile_started
 
 
 class ForwardGuard:
@@ -34,7 +85,11 @@ class ForwardGuard:
                 for slot in owned:
                     self._owners.setdefault(id(slot.param), []).append(module)
                 self._register(module, self._waiter(module, owned))
-        self._register(model, self._root_guard, prepend=True)
+        self._register(model, torch.compiler.disable(self._root_guard), prepend=True)
+        # Sticky: after any compile, a forward may skip the per-module waits (module docstring).
+        self.compiled = _dynamo_has_compiled()
+        self._compile_started = _compile_callback(weakref.ref(self))  # dynamo's list must not keep the engine alive
+        self._on_compile = _register_compile_start(self._compile_started)
 
     def _register(self, module: torch.nn.Module, fn, prepend: bool = False) -> None:
         hook = EngineHook(fn)
@@ -46,6 +101,8 @@ class ForwardGuard:
         order_after = self._engine.order_after
 
         def wait_owned(_module, _args):
+            if _is_compiling():  # the root guard and the compile callback ordered these updates
+                return
             self._ran.add(key)
             for slot in owned:
                 if slot.written is not None:
@@ -53,8 +110,17 @@ class ForwardGuard:
 
         return wait_owned
 
+    def _order_all(self) -> None:
+        for slot in self._engine.slots:
+            if slot.written is not None:
+                self._engine.order_after(slot)
+
     def _root_guard(self, _module, _args) -> None:
         self._engine.forward_started()
+        self._on_compile = _register_compile_start(self._compile_started, self._on_compile)  # torch._dynamo.reset() drops it
+        if self.compiled:
+            self._order_all()
+            return
         self._last_ran, self._ran = (self._ran or self._last_ran), set()
         if self._last_ran is None:
             return
@@ -66,6 +132,8 @@ class ForwardGuard:
                 self._engine.order_after(slot)
 
     def remove(self) -> None:
+        _remove_compile_start(self._on_compile)
+        self._on_compile = None
         for handle in self._handles:
             handle.remove()
         for hook in self._hooks:

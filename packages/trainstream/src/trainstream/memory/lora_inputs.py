@@ -31,6 +31,7 @@ __all__ = ["CompactInputLinear", "CompactLoraInputs", "eligible_layers"]
 # reproduces the saved tensor bit for bit.
 _EXACT_UPCASTS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 _pending = threading.local()  # .cast: (float32 copy, source) of this thread's last LoRA input cast
+_is_compiling = torch.compiler.is_compiling
 
 
 def _cast_input_dtype(self, x, dtype):
@@ -41,7 +42,8 @@ def _cast_input_dtype(self, x, dtype):
     if not getattr(self, "cast_input_dtype_enabled", True) or x.dtype == dtype:
         return x
     cast = x.to(dtype=dtype)
-    _pending.cast = (cast, x) if (x.dtype, dtype) in _EXACT_UPCASTS else None
+    if not _is_compiling():  # compiled code: the compiler decides what is saved (no slot, no guards on it)
+        _pending.cast = (cast, x) if (x.dtype, dtype) in _EXACT_UPCASTS else None
     return cast
 
 
@@ -81,6 +83,8 @@ class CompactInputLinear(nn.Linear):
     input is the float32 cast PEFT just made of it (see the module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling():
+            return super().forward(x)
         source = _take_source(x)
         if source is None or self.bias is not None or not torch.is_grad_enabled():
             return super().forward(x)

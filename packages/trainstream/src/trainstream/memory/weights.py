@@ -58,6 +58,13 @@ import torch
 import ts_pinned
 
 from ..engine.channel import channel_for
+
+_is_compiling = torch.compiler.is_compiling
+# A compiled block is one backward node: the fetches that streaming hangs on its modules' outputs
+# cannot happen where they must inside it.
+_COMPILED_STREAMED_BLOCK = ("torch.compile of a block whose weights stream from host memory is not supported: "
+                            "compile only resident blocks (memory_report(model)['params']['resident_blocks']) "
+                            "or wrap with param_offload=False")
 from ..engine.hooks import EngineHook
 from .copy_timer import CopyTimer
 from .packed_source import PackedHostSource
@@ -281,7 +288,11 @@ class WeightStreamer:
     # ---- hooks ---------------------------------------------------------------------------
 
     def _before_forward(self, index: int):
+        block = self.blocks[index]
+
         def hook(_module, _args):
+            if _is_compiling() or getattr(block, "_compiled_call_impl", None) is not None:
+                raise RuntimeError(_COMPILED_STREAMED_BLOCK)
             # A forward inside backward is a recomputation: the next blocks are the earlier ones.
             self.use(index, -1 if torch._C._current_graph_task_id() >= 0 else 1)
         return hook
