@@ -74,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -159,6 +160,7 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: s
         info.pop("failed_in", None)
     except Exception as e:
         result["outcome"] = _failure(e, info["failed_in"])
+        result["traceback"] = traceback.format_exc()[-4000:]
     if is_trainstream:
         try:
             result.update(engines.trainstream_report(model))

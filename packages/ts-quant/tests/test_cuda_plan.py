@@ -82,7 +82,10 @@ def test_plans_follow_in_place_requantization_streams_and_odd_inputs():
     buf = torch.empty(16 * 512 + 1, device="cuda", dtype=torch.bfloat16)
     misaligned = buf[1:].view(16, 512)
     misaligned.copy_(x)
-    assert torch.equal(ts_quant.quantized_linear(misaligned, q), after)
+    # a misaligned x takes dequantize + cuBLAS (linear_path), whose bits need not be the fused kernel's
+    got = ts_quant.quantized_linear(misaligned, q)
+    assert torch.equal(got, _uncached(lambda: ts_quant.quantized_linear(misaligned, q)))
+    torch.testing.assert_close(got, after, rtol=1e-2, atol=1e-2)
     wide = torch.zeros(16, 1024, device="cuda", dtype=torch.bfloat16)
     wide[:, ::2] = x
     assert torch.equal(ts_quant.quantized_linear(wide[:, ::2], q), after)

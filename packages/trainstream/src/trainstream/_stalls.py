@@ -93,7 +93,7 @@ class StallClock:
             with self.host_wait(cause):
                 yield
             return
-        if torch.cuda.is_current_stream_capturing():  # timing events cannot be captured into a graph
+        if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():  # no events in a graph
             yield
             return
         stream = torch.cuda.current_stream(self.device)

@@ -245,12 +245,12 @@ class ActivationPolicy:
         for i, block in enumerate(self.blocks):
             pairs += [(block.register_forward_pre_hook, timer(i, False)), (block.register_forward_hook, timer(i, True))]
         for register, fn in pairs:
-            hook = EngineHook(fn)
-            self._hooks.append(hook)
-            self._handles.append(register(hook))
+            self._handles.append(register(self._hook(fn)))
 
     def _hook(self, fn) -> EngineHook:
-        hook = EngineHook(fn)
+        # Eager also around compiled blocks: the tuner's clocks and decisions are host state (traced, CUDA
+        # events recorded in a graph were never recorded when their times were read).
+        hook = EngineHook(torch.compiler.disable(fn))
         self._hooks.append(hook)
         return hook
 
