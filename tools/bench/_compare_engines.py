@@ -263,23 +263,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def compile_blocks(model, mode: str) -> int:
-    """Compiles each block of `model` in place (the module and its hooks stay the same objects); the count.
-    reduce-overhead: ts-quant weights' tensors are marked static addresses, so the CUDA graphs read
-    them where they are instead of copying them in on each replay (they do not move when resident)."""
+    """trainstream.compile_blocks for every engine (stock and bitsandbytes too); the count."""
     import trainstream
-    from ts_quant import QuantLinear
 
-    from ts_quant._compiled import weight_tensors
-
-    blocks = trainstream.find_blocks(model)
-    if mode == "reduce-overhead":
-        for module in model.modules():
-            if isinstance(module, QuantLinear):
-                for t in weight_tensors(module.qweight)[0]:
-                    torch._dynamo.mark_static_address(t)
-    for block in blocks:
-        block.compile(mode=mode, dynamic=False)
-    return len(blocks)
+    return len(trainstream.compile_blocks(model, mode))
 
 
 def trainstream_report(model) -> dict:

@@ -43,8 +43,7 @@ def _train(model, compile_backend, device="cpu", steps=STEPS, compile_after=0, *
     losses = []
     for step, ids in enumerate(batches(steps)):
         if compile_backend and step == compile_after:
-            for layer in _layers(model):
-                layer.compile(backend=compile_backend, dynamic=False)
+            assert trainstream.compile_blocks(model, backend=compile_backend) == list(range(len(_layers(model))))
         loss = loss_of(model, ids.to(device))
         loss.backward()
         opt.step()
@@ -122,8 +121,22 @@ def test_compiling_a_block_whose_weights_stream_is_refused_clearly():
     # A compiled block is one backward node: the fetches streaming hangs on its modules' outputs
     # cannot happen inside it (it failed in backward, a saved weight overwritten by the next fetch).
     model = _lora(tiny_llama())
-    with pytest.raises(RuntimeError, match="weights stream from host memory is not supported"):
+    with pytest.raises(ValueError, match=r"blocks \[0, 1\] stream their weights"):
         _train(model, "aot_eager", quantize="nf4", param_offload=True)
+    # compiled by hand all the same: the first forward refuses it
+    model, _ = trainstream.wrap(_lora(tiny_llama()), None, quantize="nf4", param_offload=True)
+    _layers(model)[1].compile(backend="aot_eager")
+    with pytest.raises(RuntimeError, match="weights stream from host memory is not supported"):
+        loss_of(model, batches(1)[0])
+
+
+def test_compile_blocks_refuses_bad_input_before_compiling_anything():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="mode='fast': one of 'default'"):
+        trainstream.compile_blocks(model, "fast")
+    with pytest.raises(ValueError, match="no blocks found"):
+        trainstream.compile_blocks(torch.nn.Linear(2, 2))
+    assert all(layer._compiled_call_impl is None for layer in _layers(model))
 
 
 def test_a_compile_orders_the_pending_updates_and_survives_a_dynamo_reset():

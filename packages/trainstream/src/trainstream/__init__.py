@@ -6,6 +6,7 @@
 from ts_kvcache import PagedKVCache  # the reference's trainstream.PagedKVCache; ts-kvcache owns it
 from ts_pinned import reserve_pinned
 
+from ._compile import compile_blocks
 from ._hardware import HardwareProfile, profile_hardware
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
@@ -26,6 +27,7 @@ __all__ = [
     "TrainStreamSession",
     "causal_lm_loss",
     "chunked_cross_entropy",
+    "compile_blocks",
     "dpo_loss",
     "find_blocks",
     "memory_report",
