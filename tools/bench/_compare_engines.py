@@ -259,7 +259,7 @@ def _wrap(model, opt, kwargs: dict, wrap_options: dict, info: dict):
     return model, opt
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # reduce-overhead: refused
 
 
 def compile_blocks(model, mode: str) -> int:

@@ -134,6 +134,8 @@ def test_compile_blocks_refuses_bad_input_before_compiling_anything():
     model = tiny_llama()
     with pytest.raises(ValueError, match="mode='fast': one of 'default'"):
         trainstream.compile_blocks(model, "fast")
+    with pytest.raises(ValueError, match="'reduce-overhead' captures CUDA graphs"):
+        trainstream.compile_blocks(model, "reduce-overhead")
     with pytest.raises(ValueError, match="no blocks found"):
         trainstream.compile_blocks(torch.nn.Linear(2, 2))
     assert all(layer._compiled_call_impl is None for layer in _layers(model))
