@@ -7,7 +7,10 @@ engine hooks run outside the graphs (post-accumulate-grad hooks fire from autogr
 backward; the forward waits skip under tracing, the root guard orders the updates). Graph breaks, not
 errors, where dynamo cannot trace: activation paging (``saved_tensors_hooks`` is marked skip: breaks
 around each block), recompute (its checkpoint mutates state outside the checkpoint HOP: dynamo falls
-back for it). Each of those runs eagerly inside the compiled block, with the same losses.
+back for it). Each of those runs eagerly inside the compiled block, with the same losses. A whole
+wrapped model compiles too (``torch.compile(model)``), with one graph break: the root guard, which runs
+eagerly. Blocks whose weights stream are refused (``compile_blocks`` up front, a hand-compiled one at its
+first forward).
 """
 
 from __future__ import annotations
@@ -180,3 +183,31 @@ def test_blocks_compiled_mid_run_read_every_update(mode):
     _, eager = _train(model, None, device="cuda", steps=4, **options)
     _, compiled = _train(twin, "aot_eager", device="cuda", steps=4, compile_after=2, **options)
     assert compiled == eager
+
+
+def test_a_compiled_wrapped_model_trains_like_the_eager_one():
+    # torch.compile(model) (what Trainer's torch_compile does): the root guard runs eagerly (one graph
+    # break at the top), everything below it compiles, quantized LoRA layers included.
+    def run(compiled):
+        model = tiny_llama(layers=3)
+        model.config.use_cache = False
+        model = _lora(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, quantize="nf4")
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        losses = []
+        for ids in batches(3):
+            loss = loss_of(forward, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        eager = run(False)
+        compiled = run(True)
+    assert compiled == eager
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    assert torch._dynamo.utils.counters["frames"]["ok"] > 0 and breaks <= 1, dict(torch._dynamo.utils.counters["graph_break"])
