@@ -74,7 +74,7 @@ def _(tensors, fmt, shape, block, layout, inner_block, like):
 
 
 def _setup(ctx, inputs, output):
-    x, tensors, bias, fmt, shape, block, layout, inner_block, _outliers = inputs
+    _x, tensors, bias, fmt, shape, block, layout, inner_block, _outliers = inputs
     ctx.meta = (fmt, shape, block, layout, inner_block)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(*tensors)

@@ -19,6 +19,7 @@ the last update is issued instead of overlapping the last ones.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
@@ -54,10 +55,8 @@ def _remove_compile_start(fn) -> None:
         return
     from torch._dynamo.callback import callback_handler
 
-    try:
+    with contextlib.suppress(ValueError):  # already removed (dynamo's reset clears its callbacks)
         callback_handler.remove_start_callback(fn)
-    except ValueError:  # already removed (dynamo's reset clears its callbacks)
-        pass
 
 
 def _compile_callback(guard_ref):

@@ -58,13 +58,6 @@ import torch
 import ts_pinned
 
 from ..engine.channel import channel_for
-
-_is_compiling = torch.compiler.is_compiling
-# A compiled block is one backward node: the fetches that streaming hangs on its modules' outputs
-# cannot happen where they must inside it.
-_COMPILED_STREAMED_BLOCK = ("torch.compile of a block whose weights stream from host memory is not supported: "
-                            "compile only resident blocks (memory_report(model)['params']['resident_blocks']) "
-                            "or wrap with param_offload=False")
 from ..engine.hooks import EngineHook
 from .copy_timer import CopyTimer
 from .packed_source import PackedHostSource
@@ -79,6 +72,13 @@ from .streamed_block import (
     trained_params_of,
     view_in,
 )
+
+_is_compiling = torch.compiler.is_compiling
+# A compiled block is one backward node: the fetches that streaming hangs on its modules' outputs
+# cannot happen where they must inside it.
+_COMPILED_STREAMED_BLOCK = ("torch.compile of a block whose weights stream from host memory is not supported: "
+                            "compile only resident blocks (trainstream.compile_blocks refuses the others) "
+                            "or wrap with param_offload=False")
 
 __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "trained_params_of"]
 
