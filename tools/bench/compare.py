@@ -21,8 +21,9 @@ Engines, LoRA scenarios: stock-lora (bf16 base, fused torch AdamW on the adapter
   bf16 compute, PEFT's bnb LoRA layer, fused torch AdamW), bnb-qlora-ckpt (the same with Hugging Face
   non-reentrant gradient checkpointing), trainstream-lora (wrap(model, opt, quantize="nf4") on the bf16
   base held in host memory, as a loaded checkpoint is), trainstream-lora-bf16 (quantize=None).
---compile-blocks MODE: after setup, each block is compiled in place by trainstream.compile_blocks(model, MODE)
-(default, max-autotune-no-cudagraphs; reduce-overhead is refused there, which the engine reports).
+--compile-blocks MODE: after setup, the blocks are compiled in place by trainstream.compile_blocks(model, MODE,
+skip_streamed=True): streamed blocks stay eager (modes default, max-autotune-no-cudagraphs; reduce-overhead is
+refused there, which the engine reports).
 --wrap-option key=value (repeatable, value through ast.literal_eval, else the string) goes to every
 trainstream engine's wrap() and overrides its own choice; names are not checked here: wrap() refuses
 unknown ones and the engine reports the error as its outcome.

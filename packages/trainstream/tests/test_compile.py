@@ -133,6 +133,31 @@ def test_compiling_a_block_whose_weights_stream_is_refused_clearly():
         loss_of(model, batches(1)[0])
 
 
+def test_the_resident_blocks_of_a_streamed_model_compile_and_train_like_eager():
+    def run(compiled):
+        model = _lora(tiny_llama(layers=4))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, quantize="nf4", param_offload=[0, 2])
+        if compiled:
+            assert trainstream.compile_blocks(model, skip_streamed=True, backend="aot_eager") == [1, 3]
+            assert [layer._compiled_call_impl is not None for layer in _layers(model)] == [False, True, False, True]
+        losses = []
+        for ids in batches(3):
+            loss = loss_of(model, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        eager = run(False)
+        compiled = run(True)
+    assert compiled == eager
+    assert torch._dynamo.utils.counters["frames"]["ok"] > 0
+
+
 def test_compile_blocks_refuses_bad_input_before_compiling_anything():
     model = tiny_llama()
     with pytest.raises(ValueError, match="mode='fast': one of 'default'"):

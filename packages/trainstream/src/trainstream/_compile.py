@@ -32,14 +32,16 @@ def _streamed_indices(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> 
     return [i for i, block in enumerate(blocks) if id(block) in streamed]
 
 
-def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None, **compile_options) -> list[int]:
+def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None, skip_streamed: bool = False,
+                   **compile_options) -> list[int]:
     """Compiles each block of ``model`` (default ``find_blocks(model)``) in place with ``torch.compile``
     (``dynamic=False`` unless given): the modules, their parameters and hooks stay the same objects, so
     a wrapped model's engine keeps working. Returns the indices of the compiled blocks.
 
     Compilation happens at each block's first call. Refuses, before compiling anything, blocks whose
-    weights stream from host memory and the modes that capture CUDA graphs (``reduce-overhead``,
-    ``max-autotune``: not working with wrapped blocks yet).
+    weights stream from host memory (``skip_streamed=True`` compiles the others: which blocks stream is
+    fixed at ``wrap()``, none starts streaming later) and the modes that capture CUDA graphs
+    (``reduce-overhead``, ``max-autotune``: not working with wrapped blocks yet).
     """
     if mode in _CUDA_GRAPH_MODES:
         raise ValueError(f"mode={mode!r} captures CUDA graphs, which do not work with wrapped blocks yet (CUDA "
@@ -51,15 +53,17 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None
     if not blocks:
         raise ValueError("no blocks found in the model: pass blocks= (the repeated layers to compile)")
     streamed = _streamed_indices(model, blocks)
-    if streamed:
+    if streamed and not skip_streamed:
         raise ValueError(f"blocks {streamed} stream their weights from host memory; a compiled block cannot "
-                         f"fetch them where backward needs them: pass blocks= without them, or wrap with "
-                         f"param_offload=False")
+                         f"fetch them where backward needs them: pass skip_streamed=True to compile the others, "
+                         f"or wrap with param_offload=False")
+    compiled = [i for i in range(len(blocks)) if i not in streamed]
     compile_options.setdefault("dynamic", False)
-    for block in blocks:
-        block.compile(mode=mode, **compile_options)
+    for i in compiled:
+        blocks[i].compile(mode=mode, **compile_options)
     session = getattr(model, "_trainstream_session", None)
     if session is not None:
-        session.events.add("compile", f"{len(blocks)} blocks compiled in place (torch.compile mode {mode!r}) "
-                                      f"at their first call")
-    return list(range(len(blocks)))
+        skipped = f"; {len(streamed)} streamed blocks left eager" if streamed else ""
+        session.events.add("compile", f"{len(compiled)} blocks compiled in place (torch.compile mode {mode!r}) "
+                                      f"at their first call{skipped}")
+    return compiled
