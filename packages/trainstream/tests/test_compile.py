@@ -6,11 +6,12 @@ graph for the first block (its input needs no gradient) and one for all the othe
 engine hooks run outside the graphs (post-accumulate-grad hooks fire from autograd, after the compiled
 backward; the forward waits skip under tracing, the root guard orders the updates). Graph breaks, not
 errors, where dynamo cannot trace: activation paging (``saved_tensors_hooks`` is marked skip: breaks
-around each block), recompute (its checkpoint mutates state outside the checkpoint HOP: dynamo falls
-back for it). Each of those runs eagerly inside the compiled block, with the same losses. A whole
+around each block), recompute (dynamo's checkpoint HOP refuses side effects inside it, and transformers'
+decoder layers carry the ``kernels`` package's forward wrapper, which sets a global while tracing; dynamo
+falls back for it). Each of those runs eagerly inside the compiled block, with the same losses. A whole
 wrapped model compiles too (``torch.compile(model)``), with one graph break: the root guard, which runs
-eagerly. Blocks whose weights stream are refused (``compile_blocks`` up front, a hand-compiled one at its
-first forward).
+eagerly. Blocks whose weights stream are refused (``compile_blocks`` up front, a hand-compiled one at
+its first forward); ``skip_streamed=True`` compiles the others.
 """
 
 from __future__ import annotations
