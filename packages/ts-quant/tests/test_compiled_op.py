@@ -82,3 +82,19 @@ def test_a_new_codes_tensor_has_a_new_owner():
     assert ts_quant.QuantizedTensor.owner_of(old) is other
     del other
     assert ts_quant.QuantizedTensor.owner_of(old) is None  # the registry keeps no weight alive
+
+
+def test_copies_and_unpickled_weights_own_their_codes():
+    import copy
+    import io
+
+    q = _weight("nf4", True, 3)
+    twin = copy.deepcopy(q)
+    assert ts_quant.QuantizedTensor.owner_of(twin.data) is twin and twin.data is not q.data
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert ts_quant.QuantizedTensor.owner_of(loaded.data) is loaded
+    tensors, layout, inner = _compiled.weight_tensors(loaded)
+    assert _compiled._weight(tensors, loaded.format, list(loaded.shape), loaded.block_size, layout, inner) is loaded

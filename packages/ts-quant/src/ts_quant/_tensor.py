@@ -112,6 +112,11 @@ class QuantizedTensor:
         state["_cache"] = {}  # derived tensor-core layouts are rebuilt on demand
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy owns its codes, as a constructed one does
+        self.__dict__.update(state)
+        if isinstance(self.data, torch.Tensor):
+            _owners[self.data] = weakref.ref(self)
+
     # ---- decode ------------------------------------------------------------
     def block_scales(self) -> torch.Tensor:
         """The fp32 (nf4, int8, fp8) or e4m3 (nvfp4) scales, undoing double quantization."""
