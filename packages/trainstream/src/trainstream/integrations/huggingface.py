@@ -21,7 +21,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'") from error
 
-from .. import OffloadAdamW, causal_lm_loss, find_blocks, sequence_logprobs, wrap
+from .. import OffloadAdamW, causal_lm_loss, compile_blocks, find_blocks, sequence_logprobs, wrap
 from .._options import parse_options
 from .hf_loading import load_model
 from .hf_quantizer import TrainStreamQuantConfig  # registers the quantizer with transformers
@@ -204,7 +204,21 @@ def _trainer_optimizer(trainer, options: dict) -> OffloadAdamW:
                                **clip, **options)
     trainer.optimizer = optimizer
     args.max_grad_norm = 0.0  # the optimizer clips; the Trainer's grads are already gone
+    if args.torch_compile:
+        _compile_decoder(trainer.model, args)
     return optimizer
+
+
+def _compile_decoder(model: torch.nn.Module, args) -> None:
+    """``torch_compile=True``: the decoder's blocks are compiled in place too, with the config's backend
+    and mode (the chunked loss runs the decoder itself, past the model Accelerate compiled); streamed
+    blocks stay eager. Once per model."""
+    if getattr(model, "_trainstream_compiled", False):
+        return
+    blocks = decoder_layers(model)
+    mode = args.torch_compile_mode or "default"
+    compile_blocks(model, mode, blocks=blocks, skip_streamed=True, backend=args.torch_compile_backend or "inductor")
+    model._trainstream_compiled = True
 
 
 def _real_grad_norm(logs: dict | None, optimizer) -> None:
