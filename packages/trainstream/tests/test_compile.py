@@ -71,6 +71,7 @@ def _fresh_dynamo():
     torch._dynamo.utils.counters.clear()  # reset() keeps them: each test counts its own graphs and breaks
     yield
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # later wraps in this process: nothing compiled (engine/guard.py)
 
 
 @pytest.mark.parametrize("case", list(CASES))
