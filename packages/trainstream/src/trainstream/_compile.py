@@ -18,8 +18,9 @@ __all__ = ["COMPILE_MODES", "compile_blocks"]
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # Refused: on the H200 (2026-12-04) CUDA graph trees stopped the 14B NF4 LoRA step at its second step
-# ("3 tensors in the cudagraph pool not tracked as outputs"), also with ts-quant's persistent stream-K
-# state allocated outside the pool; the cause is not found yet.
+# ("3 tensors in the cudagraph pool not tracked as outputs"). Likely ts-quant's per-stream stream-K state,
+# created during a warm-up run (graph trees send the thread's allocations to their pool) and kept for
+# the process; allocating it on a side stream did not help. Not solved yet.
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 

@@ -75,22 +75,12 @@ class _StreamKState:
     Graphs captured on one stream share its state (as they share cuBLAS's per-stream workspace): replay
     them one at a time, and not while fused calls run on that stream. Created inside a capture, the zero
     fill is part of that graph, which is fine: zeroed flags and epoch are a valid state before any launch.
-    Created outside one, it is allocated and zeroed on a side stream: torch.compile's CUDA graph trees
-    route the current stream's allocations into their graph pool during warm-up runs, and refuse a
-    pool that holds memory which outlives the graph (this state lives as long as the process).
+    Created during a warm-up run of torch.compile's CUDA graph trees, it lands in their graph pool (they
+    route every allocation of the thread there) and outlives the graph, which they refuse: the likely
+    cause of reduce-overhead stopping on the H200 (2026-12-04; allocating on a side stream did not help).
     """
 
     def __init__(self, device: torch.device, slots: int) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            self._allocate(device, slots)
-            return
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._allocate(device, slots)
-        side.synchronize()  # once per (device, stream): no cross-stream wait left for the caller's stream
-
-    def _allocate(self, device: torch.device, slots: int) -> None:
         self.workspace = torch.empty(slots * SLOT_FLOATS, dtype=torch.float32, device=device)
         self.flags = torch.zeros(slots, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)  # {last token, tickets} (fused_linear.cu)
