@@ -57,6 +57,23 @@ def _train(model, compile_backend, device="cpu", steps=STEPS, compile_after=0, *
     return model, losses
 
 
+def _losses(forward, opt, steps=3):
+    losses = []
+    for ids in batches(steps):
+        loss = loss_of(forward, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _eager_then_compiled(run):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations
+        return run(False), run(True)
+
+
 CASES = {
     "full": (False, {}),
     "lora-nf4": (True, {"quantize": "nf4"}),
@@ -143,19 +160,9 @@ def test_the_resident_blocks_of_a_streamed_model_compile_and_train_like_eager():
         if compiled:
             assert trainstream.compile_blocks(model, skip_streamed=True, backend="aot_eager") == [1, 3]
             assert [layer._compiled_call_impl is not None for layer in _layers(model)] == [False, True, False, True]
-        losses = []
-        for ids in batches(3):
-            loss = loss_of(model, ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return _losses(model, opt)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        eager = run(False)
-        compiled = run(True)
+    eager, compiled = _eager_then_compiled(run)
     assert compiled == eager
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0
 
@@ -222,19 +229,9 @@ def test_a_compiled_wrapped_model_trains_like_the_eager_one():
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
         model, opt = trainstream.wrap(model, opt, quantize="nf4")
         forward = torch.compile(model, backend="aot_eager") if compiled else model
-        losses = []
-        for ids in batches(3):
-            loss = loss_of(forward, ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return _losses(forward, opt)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        eager = run(False)
-        compiled = run(True)
+    eager, compiled = _eager_then_compiled(run)
     assert compiled == eager
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0 and breaks <= 1, dict(torch._dynamo.utils.counters["graph_break"])
