@@ -6,9 +6,10 @@ graph for the first block (its input needs no gradient) and one for all the othe
 engine hooks run outside the graphs (post-accumulate-grad hooks fire from autograd, after the compiled
 backward; the forward waits skip under tracing, the root guard orders the updates). Graph breaks, not
 errors, where dynamo cannot trace: activation paging (``saved_tensors_hooks`` is marked skip: breaks
-around each block), recompute (dynamo's checkpoint HOP refuses side effects inside it, and transformers'
-decoder layers carry the ``kernels`` package's forward wrapper, which sets a global while tracing; dynamo
-falls back for it). Each of those runs eagerly inside the compiled block, with the same losses. A whole
+around each block) and selective recompute (dynamo's checkpoint HOP refuses side effects inside it, and
+transformers' decoder layers carry the ``kernels`` package's forward wrapper, which sets a global while
+tracing; dynamo falls back for it). Each of those runs eagerly inside the compiled block, with the same
+losses. Blocks recomputed whole compile the forward inside an eager checkpoint instead: no graph break. A whole
 wrapped model compiles too (``torch.compile(model)``), with one graph break: the root guard, which runs
 eagerly. Blocks whose weights stream are refused (``compile_blocks`` up front, a hand-compiled one at
 its first forward); ``skip_streamed=True`` compiles the others.
@@ -235,3 +236,40 @@ def test_a_compiled_wrapped_model_trains_like_the_eager_one():
     assert compiled == eager
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0 and breaks <= 1, dict(torch._dynamo.utils.counters["graph_break"])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_recomputed_blocks_compile_their_forward_under_an_eager_checkpoint(dropout):
+    # Compiling a recomputed block whole put the checkpoint inside the graph: dynamo's checkpoint
+    # operator refused the global the kernels package's wrapper sets, and the block ran eagerly.
+    # Against blocks that keep their activations: with dropout, the recomputation inside backward
+    # must draw the forward's masks again.
+    def run(compiled):
+        model = tiny_llama(layers=3).train()
+        for layer in _layers(model):
+            layer.self_attn.attention_dropout = dropout  # read from the config at construction
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, recompute=compiled)
+        if compiled:
+            trainstream.compile_blocks(model, backend="aot_eager")
+            wrappers = [layer.__dict__["forward"] for layer in _layers(model)]
+        losses = _losses(model, opt)
+        if compiled:
+            assert all(w.calls == 3 and w.compiled is not None for w in wrappers)  # checkpointed every step
+        return losses
+
+    kept, compiled = _eager_then_compiled(run)
+    assert compiled == kept
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["ok"] > 0
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2  # the first block's and the others'
+
+
+def test_selectively_recomputed_blocks_keep_the_whole_block_compile():
+    model, _ = trainstream.wrap(tiny_llama(layers=2), None, recompute=True, recompute_variant="selective")
+    trainstream.compile_blocks(model, backend="aot_eager")
+    assert all(layer._compiled_call_impl is not None for layer in _layers(model))
+    assert all(layer.__dict__["forward"].compiled is None for layer in _layers(model))
+    with pytest.raises(ValueError, match="only recompute_variant='full'"):
+        _layers(model)[0].__dict__["forward"].compile(backend="aot_eager")

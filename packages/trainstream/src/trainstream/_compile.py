@@ -1,8 +1,10 @@
 """compile_blocks: torch.compile of a model's blocks in place, where that is correct.
 
 What compiles (tests/test_compile.py): plain blocks and blocks of quantized LoRA layers whole (no graph
-break: ts-quant's quantized_linear is a custom op under tracing), paged and recomputed blocks with graph
-breaks around what dynamo cannot trace. What is refused: blocks whose weights stream from host memory
+break: ts-quant's quantized_linear is a custom op under tracing); blocks recomputed whole (variant
+"full") compile the forward their checkpoint runs, with the checkpoint eager around it (memory/recompute.py
+says why); paged and selectively recomputed blocks with graph breaks around what dynamo cannot trace.
+What is refused: blocks whose weights stream from host memory
 (a compiled block is one backward node; streaming fetches a block from hooks on its modules' outputs).
 Measured on the H200 (docs/results/compile-lora14b-nf4-h200-2026-12-04.log): the NF4 14B LoRA step at
 1 x 512, host-bound in eager, stepped in 0.240 s against 0.291 s with mode "default".
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .memory import find_blocks
+from .memory.recompute import Recompute
 
 __all__ = ["COMPILE_MODES", "compile_blocks"]
 
@@ -61,7 +64,11 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None
     compiled = [i for i in range(len(blocks)) if i not in streamed]
     compile_options.setdefault("dynamic", False)
     for i in compiled:
-        blocks[i].compile(mode=mode, **compile_options)
+        recompute = blocks[i].__dict__.get("forward")
+        if isinstance(recompute, Recompute) and recompute.variant == "full":
+            recompute.compile(mode=mode, **compile_options)
+        else:
+            blocks[i].compile(mode=mode, **compile_options)
     session = getattr(model, "_trainstream_session", None)
     if session is not None:
         skipped = f"; {len(streamed)} streamed blocks left eager" if streamed else ""

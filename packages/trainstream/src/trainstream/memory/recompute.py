@@ -11,6 +11,11 @@ Matmuls that do not dispatch as those ops (ts-quant's fused kernels) are recompu
 The block's ``forward`` is replaced by an instance attribute that runs the original under
 ``torch.utils.checkpoint``; removing it restores what was there. A copy of the model
 (``copy.deepcopy``, ``torch.save``) gets the plain forward back.
+
+Under ``compile_blocks`` a "full" block compiles the forward that checkpoint runs (``Recompute.compile``),
+not the checkpoint: dynamo's checkpoint operator refuses side effects inside it (transformers' decoder
+layers set a global through the ``kernels`` package's forward wrapper), and its fallback ran the whole
+block eagerly. The checkpoint itself stays eager around the compiled forward, which runs again in backward.
 """
 
 from __future__ import annotations
@@ -60,14 +65,24 @@ class Recompute:
         self.original = self.previous if self.previous is not _MISSING else _plain_forward(block)
         self.calls = 0
         self.enabled = True  # the automatic policy switches blocks between steps
+        self.compiled = None  # torch.compile of `original` (compile()): what runs, checkpointed or not
 
     def __call__(self, *args, **kwargs):
+        forward = self.original if self.compiled is None else self.compiled
         if not self.enabled or not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)
+            return forward(*args, **kwargs)
         self.calls += 1
         extra = {"context_fn": _selective_contexts} if self.variant == "selective" else {}
-        return torch.utils.checkpoint.checkpoint(self.original, *args, use_reentrant=False,
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
                                                  preserve_rng_state=True, **extra, **kwargs)
+
+    def compile(self, **options) -> None:
+        """Compiles the block's forward under the checkpoint (``torch.compile`` options). "full" only: the
+        selective variant's policy picks aten ops as they dispatch, which a compiled graph hides."""
+        if self.variant != "full":
+            raise ValueError("only recompute_variant='full' compiles the forward inside its checkpoint")
+        if self.compiled is None:
+            self.compiled = torch.compile(self.original, **options)
 
     def install(self) -> Recompute:
         self.block.forward = self
