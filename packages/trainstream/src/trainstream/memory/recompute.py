@@ -67,8 +67,17 @@ class Recompute:
         self.enabled = True  # the automatic policy switches blocks between steps
         self.compiled = None  # torch.compile of `original` (compile()): what runs, checkpointed or not
 
+    def _forward(self):
+        if self.compiled is None or torch._C._is_torch_function_mode_enabled():
+            # A TorchFunctionMode around this call (the attention chooser watches a new input signature's
+            # first forward through one) would be traced into the compiled graph; the recomputation in
+            # backward runs without it, compiles another graph that saves other tensors, and checkpoint
+            # refuses the mismatch. The eager forward saves the same tensors either way.
+            return self.original
+        return self.compiled
+
     def __call__(self, *args, **kwargs):
-        forward = self.original if self.compiled is None else self.compiled
+        forward = self._forward()
         if not self.enabled or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         self.calls += 1
@@ -81,7 +90,7 @@ class Recompute:
         selective variant's policy picks aten ops as they dispatch, which a compiled graph hides."""
         if self.variant != "full":
             raise ValueError("only recompute_variant='full' compiles the forward inside its checkpoint")
-        if self.compiled is None:
+        if self.compiled is None or torch._C._is_torch_function_mode_enabled():
             self.compiled = torch.compile(self.original, **options)
 
     def install(self) -> Recompute:
