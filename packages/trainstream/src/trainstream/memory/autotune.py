@@ -3,7 +3,8 @@
 Phases: ``probe`` (the first forward with gradients: one block is measured, the others are decided
 before they run), ``trial`` (one step per candidate setting, timed with the device synchronized
 at step(); each step's peak corrects the VRAM estimate; when every paging trial lost to paging
-nothing, one more pages half as many blocks as the fewest tried), ``settled`` (the fastest trial's
+nothing, one more pages half as many blocks as the fewest tried; a trial step in which torch.compile
+compiled runs again, up to twice), ``settled`` (the fastest trial's
 setting, no more synchronizing). The owner, ``ActivationPolicy``, applies each setting between
 steps; this class only measures and decides.
 
@@ -25,6 +26,8 @@ from .plan import GiB, PlanRefused, vram_budget
 from .tuner import Choice, Measured, choose, trial_candidates
 
 __all__ = ["ActivationTuner", "BatchRefused", "CudaMeter", "Meter"]
+
+MAX_RETIMED = 2  # a trial that compiles again and again (recompiles every step) is timed as it is
 
 
 def _size(nbytes: int) -> str:
@@ -82,6 +85,12 @@ class Meter:
 
     def link_bytes_per_s(self) -> float:
         return self._link
+
+    def compilations(self) -> int:
+        """torch.compile's work so far in this process (dynamo and inductor phases run, backward graphs
+        compiled at their first backward included): a trial step that adds some timed the compiler."""
+        metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", None) or {}
+        return sum(len(times) for times in metrics.values())
 
     def host_bytes(self) -> int:
         if self._host is not None:
@@ -173,6 +182,8 @@ class ActivationTuner:
         self.static_bytes = 0  # of base_bytes, what was allocated before the forward (does not scale)
         self._static_now = 0
         self._retries_seen = 0  # the allocator's retry count at the last step's end
+        self._compilations_at_start = 0  # Meter.compilations() when the step's first forward started
+        self._retimed = 0  # times the current trial ran again because torch.compile worked during it
         self.cap_backoffs = 0  # settled steps that ran at the cap and kept fewer blocks after
 
     @property
@@ -190,6 +201,7 @@ class ActivationTuner:
         if self._forward_start is None:
             self._forward_start = self.meter.now()
             self._static_now = self.meter.allocated()
+            self._compilations_at_start = self.meter.compilations()
 
     def probe_begin(self) -> None:
         """The probed block's forward starts."""
@@ -278,7 +290,16 @@ class ActivationTuner:
                                      key=lambda c: len(c.paged))
             self._trial = 0
             self.phase = "trial"
+        elif self.meter.compilations() != self._compilations_at_start and self._retimed < MAX_RETIMED:
+            # Compiled blocks compile at their first call (and the paths a new setting takes, at theirs):
+            # on the H200 a recompute trial timed with its compiles took 22.3 s against about 1 s.
+            self._retimed += 1
+            self._event(f"trial: {self.describe(self.current)}: torch.compile compiled during the step "
+                        f"({seconds * 1e3:.0f} ms): timed again in the next step")
+            self.meter.reset_peak()
+            return None
         else:
+            self._retimed = 0
             self.trials.append((self.current, seconds, peak))
             cap = (f" (the allocator ran out of cached VRAM {at_cap} times and synchronized the GPU: "
                    f"counted as not fitting)" if at_cap > 0 else "")
