@@ -266,6 +266,14 @@ def test_recomputed_blocks_compile_their_forward_under_an_eager_checkpoint(dropo
     assert counters["stats"]["unique_graphs"] <= 2  # the first block's and the others'
 
 
+def test_an_unwrapped_recomputed_block_stays_compiled():
+    model, _ = trainstream.wrap(tiny_llama(layers=2), None, recompute=True)
+    trainstream.compile_blocks(model, backend="aot_eager")
+    trainstream.unwrap(model)
+    assert all("forward" not in layer.__dict__ for layer in _layers(model))
+    assert all(layer._compiled_call_impl is not None for layer in _layers(model))
+
+
 def test_selectively_recomputed_blocks_keep_the_whole_block_compile():
     model, _ = trainstream.wrap(tiny_llama(layers=2), None, recompute=True, recompute_variant="selective")
     trainstream.compile_blocks(model, backend="aot_eager")

@@ -90,8 +90,9 @@ class Recompute:
         selective variant's policy picks aten ops as they dispatch, which a compiled graph hides."""
         if self.variant != "full":
             raise ValueError("only recompute_variant='full' compiles the forward inside its checkpoint")
-        if self.compiled is None or torch._C._is_torch_function_mode_enabled():
+        if self.compiled is None:
             self.compiled = torch.compile(self.original, **options)
+            self._compile_options = options
 
     def install(self) -> Recompute:
         self.block.forward = self
@@ -103,6 +104,8 @@ class Recompute:
                 del self.block.forward
             else:
                 self.block.forward = self.previous
+            if self.compiled is not None:  # unwrapped, the block stays compiled, as compile_blocks left the others
+                self.block.compile(**self._compile_options)
 
     def __reduce__(self):  # copies of the model run the plain forward
         return (_plain_forward, (self.block,))
