@@ -5,12 +5,12 @@ and blocks of quantized LoRA layers compile whole (quantized_linear is a custom 
 graph for the first block (its input needs no gradient) and one for all the others; the per-parameter
 engine hooks run outside the graphs (post-accumulate-grad hooks fire from autograd, after the compiled
 backward; the forward waits skip under tracing, the root guard orders the updates). Graph breaks, not
-errors, where dynamo cannot trace: activation paging (``saved_tensors_hooks`` is marked skip: breaks
-around each block) and selective recompute (dynamo's checkpoint HOP refuses side effects inside it, and
-transformers' decoder layers carry the ``kernels`` package's forward wrapper, which sets a global while
-tracing; dynamo falls back for it). Each of those runs eagerly inside the compiled block, with the same
-losses. Blocks recomputed whole compile the forward inside an eager checkpoint instead: no graph break. A whole
-wrapped model compiles too (``torch.compile(model)``), with one graph break: the root guard, which runs
+errors, where dynamo cannot trace: selective recompute (dynamo's checkpoint HOP refuses side effects
+inside it, and transformers' decoder layers carry the ``kernels`` package's forward wrapper, which sets a
+global while tracing; dynamo falls back for it), which runs eagerly inside the compiled block, with the
+same losses. Blocks recomputed whole compile the forward inside an eager checkpoint instead, and paged
+blocks their forward inside the eager paging hooks (a whole-block compile traced those hooks into the
+graph and failed in backward): no graph break. A whole wrapped model compiles too (``torch.compile(model)``), with one graph break: the root guard, which runs
 eagerly. Blocks whose weights stream are refused (``compile_blocks`` up front, a hand-compiled one at
 its first forward); ``skip_streamed=True`` compiles the others.
 """
@@ -79,7 +79,7 @@ CASES = {
     "full": (False, {}),
     "lora-nf4": (True, {"quantize": "nf4"}),
     "recompute": (False, {"recompute": True}),
-    "activation-paging": (False, {"activation_offload": True}),
+    "activation-paging": (False, {"activation_offload": True, "min_offload_bytes": 0}),  # tiny tensors page too
 }
 
 
@@ -107,6 +107,8 @@ def test_compiled_blocks_train_like_uncompiled(case):
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0, "dynamo compiled nothing: the test proves nothing"
     assert compiled[-1] < compiled[0] or STEPS < 2 or lora  # it trained (LoRA's B starts at zero)
     assert all(type(layer).__name__ != "OptimizedModule" for layer in _layers(compiled_model))
+    if "activation_offload" in options:  # pages were made, and brought back in the compiled backward
+        assert trainstream.memory_report(compiled_model)["activations"]["paging"]["h2d_bytes"] > 0
 
 
 def test_quantized_lora_blocks_compile_whole():
@@ -274,6 +276,27 @@ def test_an_unwrapped_recomputed_block_stays_compiled():
     assert all(layer._compiled_call_impl is not None for layer in _layers(model))
 
 
+def test_paged_blocks_compile_their_forward_and_a_copy_gets_the_plain_one():
+    # A whole-block compile traced the paging's saved-tensor hooks into the graph; backward then failed
+    # in its bookkeeping ("'Page' object is not callable": a weak reference rebuilt as a strong one).
+    from trainstream._compile import CompiledForward
+
+    model = tiny_llama(layers=2)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = trainstream.wrap(model, opt, activation_offload=[1], min_offload_bytes=0)
+    trainstream.compile_blocks(model, backend="aot_eager")
+    layers = _layers(model)
+    assert layers[0]._compiled_call_impl is not None and "forward" not in layers[0].__dict__  # not paged: whole
+    assert isinstance(layers[1].__dict__["forward"], CompiledForward)
+    _losses(model, opt, steps=2)
+    twin = copy.deepcopy(model)
+    assert not isinstance(_layers(twin)[1].__dict__.get("forward"), CompiledForward)
+    with torch.no_grad():
+        ids = batches(1)[0]
+        torch.testing.assert_close(loss_of(twin, ids), loss_of(model, ids))
+
+
 def test_selectively_recomputed_blocks_keep_the_whole_block_compile():
     model, _ = trainstream.wrap(tiny_llama(layers=2), None, recompute=True, recompute_variant="selective")
     trainstream.compile_blocks(model, backend="aot_eager")
@@ -291,7 +314,8 @@ def test_a_recomputed_compiled_block_runs_eagerly_under_a_function_mode():
         model = tiny_llama(layers=3)
         model.config._attn_implementation = "sdpa"  # what the chooser watches
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model, opt = trainstream.wrap(model, opt, recompute=True, attention="auto")
+        # a named backend is checked under the same mode; "auto" could time another backend in each run
+        model, opt = trainstream.wrap(model, opt, recompute=True, attention="math")
         if compiled:
             trainstream.compile_blocks(model, backend="aot_eager")
         return _losses(model, opt)
@@ -299,3 +323,20 @@ def test_a_recomputed_compiled_block_runs_eagerly_under_a_function_mode():
     kept, compiled = _eager_then_compiled(run)
     assert compiled == kept
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the later forwards ran compiled
+
+
+def test_a_compiled_wrapped_model_pages_like_the_eager_one():
+    # torch.compile(model) traces into the blocks' paging hooks unless they run eagerly: dynamo's replay of
+    # their weak-reference bookkeeping stored the pages themselves, and backward failed on them.
+    def run(compiled):
+        model = tiny_llama(layers=2)
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, activation_offload=True, min_offload_bytes=0)
+        losses = _losses(torch.compile(model, backend="aot_eager") if compiled else model, opt)
+        assert trainstream.memory_report(model)["activations"]["paging"]["h2d_bytes"] > 0
+        return losses
+
+    eager, compiled = _eager_then_compiled(run)
+    assert compiled == eager
+    assert torch._dynamo.utils.counters["frames"]["ok"] > 0

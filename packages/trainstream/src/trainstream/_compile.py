@@ -3,7 +3,8 @@
 What compiles (tests/test_compile.py): plain blocks and blocks of quantized LoRA layers whole (no graph
 break: ts-quant's quantized_linear is a custom op under tracing); blocks recomputed whole (variant
 "full") compile the forward their checkpoint runs, with the checkpoint eager around it (memory/recompute.py
-says why); paged and selectively recomputed blocks with graph breaks around what dynamo cannot trace.
+says why); paged blocks compile their forward, with the paging hooks eager around it (CompiledForward);
+selectively recomputed blocks with graph breaks around what dynamo cannot trace.
 What is refused: blocks whose weights stream from host memory
 (a compiled block is one backward node; streaming fetches a block from hooks on its modules' outputs).
 Measured on the H200 (docs/results/compile-lora14b-nf4-h200-2026-12-04.log): the NF4 14B LoRA step at
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .memory import find_blocks
-from .memory.recompute import Recompute
+from .memory.recompute import Recompute, plain_forward, runs_compiled
 
 __all__ = ["COMPILE_MODES", "compile_blocks"]
 
@@ -25,6 +26,33 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # created during a warm-up run (graph trees send the thread's allocations to their pool) and kept for
 # the process; allocating it on a side stream did not help. Not solved yet.
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+class CompiledForward:
+    """Installed as ``block.forward`` where the block's own hooks must run eagerly around its compiled
+    forward: activation paging enters its saved-tensor hooks from them, and a whole-block compile traced
+    those hooks into the graph (backward then failed in the paging's bookkeeping, a weak reference dynamo
+    rebuilt as a strong one). Stays after ``unwrap()``, as a compiled block would; copies of the model
+    (``copy.deepcopy``, ``torch.save``) get the plain forward."""
+
+    def __init__(self, block: torch.nn.Module, options: dict):
+        self.block = block
+        self.original = plain_forward(block)
+        self.compiled = torch.compile(self.original, **options)
+
+    def __call__(self, *args, **kwargs):
+        forward = self.compiled if runs_compiled() else self.original
+        return forward(*args, **kwargs)
+
+    def __reduce__(self):
+        return (plain_forward, (self.block,))
+
+
+def _paged_ids(model: torch.nn.Module) -> set[int]:
+    """The blocks the activation policy may page (their hooks enter saved-tensor hooks), by identity."""
+    policy = getattr(getattr(model, "_trainstream_session", None), "activations", None)
+    offloader = getattr(policy, "offloader", None)
+    return set() if offloader is None else {id(policy.blocks[i]) for i in offloader.candidates}
 
 
 def _streamed_indices(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[int]:
@@ -63,11 +91,14 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None
                          f"or wrap with param_offload=False")
     compiled = [i for i in range(len(blocks)) if i not in streamed]
     compile_options.setdefault("dynamic", False)
+    paged = _paged_ids(model)
     for i in compiled:
-        recompute = blocks[i].__dict__.get("forward")
-        if isinstance(recompute, Recompute) and recompute.variant == "full":
-            recompute.compile(mode=mode, **compile_options)
-        else:
+        forward = blocks[i].__dict__.get("forward")
+        if isinstance(forward, Recompute) and forward.variant == "full":
+            forward.compile(mode=mode, **compile_options)
+        elif forward is None and id(blocks[i]) in paged:
+            blocks[i].forward = CompiledForward(blocks[i], dict(mode=mode, **compile_options))
+        elif not isinstance(forward, CompiledForward):  # compiled already
             blocks[i].compile(mode=mode, **compile_options)
     session = getattr(model, "_trainstream_session", None)
     if session is not None:

@@ -129,7 +129,10 @@ class ActivationOffloader:
         while self._active:
             self._active.pop().__exit__(None, None, None)
 
+    # The block hooks run eagerly under torch.compile: dynamo traced this bookkeeping of weak references
+    # in a compiled model and put the pages themselves in the lists (backward then failed on them).
     def _enter(self, index: int):
+        @torch.compiler.disable
         def enter(_module, _args):
             if not torch.is_grad_enabled() or (index not in self.paged and index not in self.counted):
                 self._active.append(None)
@@ -146,6 +149,7 @@ class ActivationOffloader:
 
         return enter
 
+    @torch.compiler.disable
     def _leave(self, _module, _args, _output) -> None:
         self._saved = {}
         if self._active:

@@ -25,7 +25,7 @@ import types
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["RECOMPUTE_VARIANTS", "Recompute", "uses_hf_checkpointing"]
+__all__ = ["RECOMPUTE_VARIANTS", "Recompute", "plain_forward", "runs_compiled", "uses_hf_checkpointing"]
 
 _MISSING = object()
 RECOMPUTE_VARIANTS = ("full", "selective")
@@ -49,8 +49,19 @@ def _selective_contexts():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_products)
 
 
-def _plain_forward(block: torch.nn.Module):
+def plain_forward(block: torch.nn.Module):
     return types.MethodType(type(block).forward, block)
+
+
+_plain_forward = plain_forward  # the name models pickled by earlier versions refer to
+
+
+def runs_compiled() -> bool:
+    """Whether a block's compiled forward runs now. Not under a TorchFunctionMode (the attention chooser
+    watches a new input signature's first forward through one): the graph traced under it would differ
+    from the one traced without it, and a recomputation in backward (traced without it) would save other
+    tensors than the forward did, which checkpoint refuses. The eager forward saves the same either way."""
+    return not torch._C._is_torch_function_mode_enabled()
 
 
 class Recompute:
@@ -62,19 +73,13 @@ class Recompute:
         self.block = block
         self.variant = variant
         self.previous = block.__dict__.get("forward", _MISSING)
-        self.original = self.previous if self.previous is not _MISSING else _plain_forward(block)
+        self.original = self.previous if self.previous is not _MISSING else plain_forward(block)
         self.calls = 0
         self.enabled = True  # the automatic policy switches blocks between steps
         self.compiled = None  # torch.compile of `original` (compile()): what runs, checkpointed or not
 
     def _forward(self):
-        if self.compiled is None or torch._C._is_torch_function_mode_enabled():
-            # A TorchFunctionMode around this call (the attention chooser watches a new input signature's
-            # first forward through one) would be traced into the compiled graph; the recomputation in
-            # backward runs without it, compiles another graph that saves other tensors, and checkpoint
-            # refuses the mismatch. The eager forward saves the same tensors either way.
-            return self.original
-        return self.compiled
+        return self.compiled if self.compiled is not None and runs_compiled() else self.original
 
     def __call__(self, *args, **kwargs):
         forward = self._forward()
@@ -108,7 +113,7 @@ class Recompute:
                 self.block.compile(**self._compile_options)
 
     def __reduce__(self):  # copies of the model run the plain forward
-        return (_plain_forward, (self.block,))
+        return (plain_forward, (self.block,))
 
 
 def uses_hf_checkpointing(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
