@@ -18,6 +18,7 @@ what a longer one did). When even recomputing every block leaves no room, the fo
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -89,7 +90,8 @@ class Meter:
     def compilations(self) -> int:
         """torch.compile's work so far in this process (dynamo and inductor phases run, backward graphs
         compiled at their first backward included): a trial step that adds some timed the compiler."""
-        metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", None) or {}
+        utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled (importing it costs a second)
+        metrics = getattr(utils, "compilation_time_metrics", None) or {}
         return sum(len(times) for times in metrics.values())
 
     def host_bytes(self) -> int:
