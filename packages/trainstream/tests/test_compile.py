@@ -290,6 +290,8 @@ def test_paged_blocks_compile_their_forward_and_a_copy_gets_the_plain_one():
     assert layers[0]._compiled_call_impl is not None and "forward" not in layers[0].__dict__  # not paged: whole
     assert isinstance(layers[1].__dict__["forward"], CompiledForward)
     _losses(model, opt, steps=2)
+    assert trainstream.memory_report(model)["activations"]["paging"]["h2d_bytes"] > 0
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, dict(torch._dynamo.utils.counters["graph_break"])
     twin = copy.deepcopy(model)
     assert not isinstance(_layers(twin)[1].__dict__.get("forward"), CompiledForward)
     with torch.no_grad():
