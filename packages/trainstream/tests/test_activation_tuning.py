@@ -427,30 +427,25 @@ def test_a_trial_at_the_cap_counts_as_not_fitting(monkeypatch):
     trainstream.unwrap(model)
 
 
-def test_compiled_blocks_probe_try_and_settle_like_eager_without_graph_breaks(fake_device):
+def test_compiled_blocks_probe_try_and_settle_like_eager_without_graph_breaks(fake_device, fresh_dynamo):
     # 'auto' wraps every block for recompute; compile_blocks then compiles the forward inside that wrapper,
     # so the tuner's probe, its paging trials (saved-tensor hooks around the block) and the checkpoint all
     # run eagerly around one compiled graph, and dropout recomputes bit for bit.
     device = fake_device(recompute_s=1.0, page_cost=lambda pages: 0.1 * pages if pages <= 1 else 10.0 * pages)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    try:
-        model, opt = trainstream.wrap(Stack(depth=4, p=0.2), lr=1e-3, min_offload_bytes=0)
-        device.policy = model._trainstream_session.activations
-        assert trainstream.compile_blocks(model, blocks=model.layers, backend="aot_eager") == [0, 1, 2, 3]
-        losses = _run(model, opt, steps=6)
-        counters = torch._dynamo.utils.counters
-        assert counters["frames"]["ok"] > 0
-        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()  # later wraps in this process: nothing compiled (engine/guard.py)
+    plain, plain_opt = trainstream.wrap(Stack(depth=4, p=0.2), lr=1e-3, activation_offload=False, recompute=False)
+    expected = _run(plain, plain_opt, steps=6)  # before anything compiles (engine/guard.py)
+    model, opt = trainstream.wrap(Stack(depth=4, p=0.2), lr=1e-3, min_offload_bytes=0)
+    device.policy = model._trainstream_session.activations
+    assert trainstream.compile_blocks(model, blocks=model.layers, backend="aot_eager") == [0, 1, 2, 3]
+    losses = _run(model, opt, steps=6)
+    counters = torch._dynamo.utils.counters
+    assert counters["frames"]["ok"] > 0
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     report = trainstream.memory_report(model)["activations"]
     assert report["policy"] == ["recompute", "offload", "recompute", "keep"]
     assert report["paging"]["d2h_bytes"] > 0
     trainstream.unwrap(model)
-    plain, plain_opt = trainstream.wrap(Stack(depth=4, p=0.2), lr=1e-3, activation_offload=False, recompute=False)
-    assert losses == _run(plain, plain_opt, steps=6)
+    assert losses == expected
 
 
 def test_a_trial_step_in_which_torch_compile_worked_is_timed_again(fake_device):

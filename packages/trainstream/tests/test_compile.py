@@ -26,6 +26,7 @@ import trainstream
 from ts_testing import batches, loss_of, tiny_llama
 
 STEPS = 2
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 def _lora(model):
@@ -81,15 +82,6 @@ CASES = {
     "recompute": (False, {"recompute": True}),
     "activation-paging": (False, {"activation_offload": True, "min_offload_bytes": 0}),  # tiny tensors page too
 }
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # reset() keeps them: each test counts its own graphs and breaks
-    yield
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # later wraps in this process: nothing compiled (engine/guard.py)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -279,7 +271,7 @@ def test_an_unwrapped_recomputed_block_stays_compiled():
 def test_paged_blocks_compile_their_forward_and_a_copy_gets_the_plain_one():
     # A whole-block compile traced the paging's saved-tensor hooks into the graph; backward then failed
     # in its bookkeeping ("'Page' object is not callable": a weak reference rebuilt as a strong one).
-    from trainstream._compile import CompiledForward
+    from trainstream.memory.compiled_forward import CompiledForward
 
     model = tiny_llama(layers=2)
     model.config.use_cache = False

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .memory import find_blocks
-from .memory.recompute import Recompute, plain_forward, runs_compiled
+from .memory.compiled_forward import CompiledForward, plain_forward
+from .memory.recompute import Recompute
 
 __all__ = ["COMPILE_MODES", "compile_blocks"]
 
@@ -26,26 +27,6 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # created during a warm-up run (graph trees send the thread's allocations to their pool) and kept for
 # the process; allocating it on a side stream did not help. Not solved yet.
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-class CompiledForward:
-    """Installed as ``block.forward`` where the block's own hooks must run eagerly around its compiled
-    forward: activation paging enters its saved-tensor hooks from them, and a whole-block compile traced
-    those hooks into the graph (backward then failed in the paging's bookkeeping, a weak reference dynamo
-    rebuilt as a strong one). Stays after ``unwrap()``, as a compiled block would; copies of the model
-    (``copy.deepcopy``, ``torch.save``) get the plain forward."""
-
-    def __init__(self, block: torch.nn.Module, options: dict):
-        self.block = block
-        self.original = plain_forward(block)
-        self.compiled = torch.compile(self.original, **options)
-
-    def __call__(self, *args, **kwargs):
-        forward = self.compiled if runs_compiled() else self.original
-        return forward(*args, **kwargs)
-
-    def __reduce__(self):
-        return (plain_forward, (self.block,))
 
 
 def _paged_ids(model: torch.nn.Module) -> set[int]:
@@ -97,7 +78,10 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None
         if isinstance(forward, Recompute) and forward.variant == "full":
             forward.compile(mode=mode, **compile_options)
         elif forward is None and id(blocks[i]) in paged:
-            blocks[i].forward = CompiledForward(blocks[i], dict(mode=mode, **compile_options))
+            # Its paging hooks stay eager around the compiled forward: a whole-block compile traced them into
+            # the graph, and backward failed in their bookkeeping (a weak reference rebuilt as a strong one).
+            # Stays after unwrap(), as a compiled block would.
+            blocks[i].forward = CompiledForward(blocks[i], plain_forward(blocks[i]), dict(mode=mode, **compile_options))
         elif not isinstance(forward, CompiledForward):  # compiled already
             blocks[i].compile(mode=mode, **compile_options)
     session = getattr(model, "_trainstream_session", None)

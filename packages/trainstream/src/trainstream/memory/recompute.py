@@ -20,12 +20,12 @@ block eagerly. The checkpoint itself stays eager around the compiled forward, wh
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["RECOMPUTE_VARIANTS", "Recompute", "plain_forward", "runs_compiled", "uses_hf_checkpointing"]
+from .compiled_forward import CompiledForward, plain_forward
+
+__all__ = ["RECOMPUTE_VARIANTS", "Recompute", "uses_hf_checkpointing"]
 
 _MISSING = object()
 RECOMPUTE_VARIANTS = ("full", "selective")
@@ -49,19 +49,7 @@ def _selective_contexts():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_products)
 
 
-def plain_forward(block: torch.nn.Module):
-    return types.MethodType(type(block).forward, block)
-
-
 _plain_forward = plain_forward  # the name models pickled by earlier versions refer to
-
-
-def runs_compiled() -> bool:
-    """Whether a block's compiled forward runs now. Not under a TorchFunctionMode (the attention chooser
-    watches a new input signature's first forward through one): the graph traced under it would differ
-    from the one traced without it, and a recomputation in backward (traced without it) would save other
-    tensors than the forward did, which checkpoint refuses. The eager forward saves the same either way."""
-    return not torch._C._is_torch_function_mode_enabled()
 
 
 class Recompute:
@@ -76,13 +64,10 @@ class Recompute:
         self.original = self.previous if self.previous is not _MISSING else plain_forward(block)
         self.calls = 0
         self.enabled = True  # the automatic policy switches blocks between steps
-        self.compiled = None  # torch.compile of `original` (compile()): what runs, checkpointed or not
-
-    def _forward(self):
-        return self.compiled if self.compiled is not None and runs_compiled() else self.original
+        self.compiled: CompiledForward | None = None  # set by compile(): what runs, checkpointed or not
 
     def __call__(self, *args, **kwargs):
-        forward = self._forward()
+        forward = self.original if self.compiled is None else self.compiled.now()
         if not self.enabled or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         self.calls += 1
@@ -96,8 +81,7 @@ class Recompute:
         if self.variant != "full":
             raise ValueError("only recompute_variant='full' compiles the forward inside its checkpoint")
         if self.compiled is None:
-            self.compiled = torch.compile(self.original, **options)
-            self._compile_options = options
+            self.compiled = CompiledForward(self.block, self.original, options)
 
     def install(self) -> Recompute:
         self.block.forward = self
@@ -110,7 +94,7 @@ class Recompute:
             else:
                 self.block.forward = self.previous
             if self.compiled is not None:  # unwrapped, the block stays compiled, as compile_blocks left the others
-                self.block.compile(**self._compile_options)
+                self.block.compile(**self.compiled.options)
 
     def __reduce__(self):  # copies of the model run the plain forward
         return (plain_forward, (self.block,))
