@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trainstream
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 
@@ -68,6 +68,7 @@ def test_issue_case_on_the_cpu_is_closer_to_fp64_than_dense_bf16():
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(8, 96), vocab=st.integers(16, 600),
        dim=st.sampled_from([16, 32, 64]), chunk=st.integers(1, 64), inside=st.booleans())
+@example(seed=7689, tokens=8, vocab=343, dim=16, chunk=1, inside=False)  # CI found it: 1.063x, within the slack
 def test_never_less_accurate_than_dense_bf16(seed, tokens, vocab, dim, chunk, inside):
     h, w, t = _case(seed, tokens, vocab, dim)
     h = h * 2.0  # logits of a few units, like a trained head's
@@ -75,8 +76,11 @@ def test_never_less_accurate_than_dense_bf16(seed, tokens, vocab, dim, chunk, in
     dense = _grads(_dense(t), h, w, autocast="cpu", backward_inside=inside)
     ours = _grads(_ours(t, chunk), h, w, autocast="cpu", backward_inside=inside)
     for i in (1, 2):
-        # Same bf16 logits as dense; the gradient matmuls run in fp32: never worse beyond noise.
-        assert _rel(ours[i], exact[i]) <= 1.05 * _rel(dense[i], exact[i]) + 1e-4
+        # Same bf16 logits as dense; the gradient matmuls run in fp32: never worse beyond noise. The noise:
+        # with a few tokens one rounding of the shared bf16 logits can favour the bf16 matmul by chance
+        # (8 tokens: 0.0081 against 0.0076), so the slack is an eighth of a bf16 unit (2**-11) of relative
+        # error; the bug this guards against (backward without forward's autocast) was 0.05 off.
+        assert _rel(ours[i], exact[i]) <= 1.05 * _rel(dense[i], exact[i]) + 2**-11
 
 
 @pytest.mark.cuda
