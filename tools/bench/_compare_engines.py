@@ -262,12 +262,11 @@ def _wrap(model, opt, kwargs: dict, wrap_options: dict, info: dict):
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # reduce-overhead: refused
 
 
-def compile_blocks(model, mode: str) -> int:
-    """trainstream.compile_blocks for every engine (stock and bitsandbytes too), streamed blocks left
-    eager; the count compiled."""
+def compile_blocks(model, mode: str, skip_streamed: bool = False) -> int:
+    """trainstream.compile_blocks for every engine (stock and bitsandbytes too); the count compiled."""
     import trainstream
 
-    return len(trainstream.compile_blocks(model, mode, skip_streamed=True))
+    return len(trainstream.compile_blocks(model, mode, skip_streamed=skip_streamed))
 
 
 def trainstream_report(model) -> dict:

@@ -21,9 +21,9 @@ Engines, LoRA scenarios: stock-lora (bf16 base, fused torch AdamW on the adapter
   bf16 compute, PEFT's bnb LoRA layer, fused torch AdamW), bnb-qlora-ckpt (the same with Hugging Face
   non-reentrant gradient checkpointing), trainstream-lora (wrap(model, opt, quantize="nf4") on the bf16
   base held in host memory, as a loaded checkpoint is), trainstream-lora-bf16 (quantize=None).
---compile-blocks MODE: after setup, the blocks are compiled in place by trainstream.compile_blocks(model, MODE,
-skip_streamed=True): streamed blocks stay eager (modes default, max-autotune-no-cudagraphs; reduce-overhead is
-refused there, which the engine reports).
+--compile-blocks MODE: after setup, the blocks are compiled in place by trainstream.compile_blocks(model, MODE)
+(modes default, max-autotune-no-cudagraphs; reduce-overhead is refused there, which the engine reports);
+--compile-skip-streamed leaves the blocks whose weights stream eager (compile_blocks' skip_streamed=True).
 --wrap-option key=value (repeatable, value through ast.literal_eval, else the string) goes to every
 trainstream engine's wrap() and overrides its own choice; names are not checked here: wrap() refuses
 unknown ones and the engine reports the error as its outcome.
@@ -31,8 +31,9 @@ unknown ones and the engine reports the error as its outcome.
 Lower bound beside each trainstream row: max(gpu, link, host), each measured in the same call.
   gpu   forward+backward time of the stock path; 0 ("not measured" on the terms line) when no such
         engine ran in the call
-  link  bytes per step / the pinned link rate measured at the end: max(device->host, host->device),
-        plus the activation pages sent out during forward (they cannot overlap backward's traffic)
+  link  bytes per step / the pinned link rate measured at the end, forward and backward in turn, each
+        bound by its busier direction: forward pages activations out while half the streamed weights
+        come in; backward sends gradients out while the pages and the other half come in
   host  host-placed trained values / the ts-adamw rate measured at the end (fp32 moments)
 Per scenario:
   full1.5b, full1.5b_2k, tiny: gpu from stock-bf16 or stock-bf16-uncapped (no fp32 master: a floor);
@@ -107,7 +108,8 @@ def _failure(e: BaseException, where: str) -> str:
     return f"{where} raised {type(e).__name__}: {text[:400]}"
 
 
-def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: str | None = None) -> dict:
+def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: str | None = None,
+                skip_streamed: bool = False) -> dict:
     """One engine in this process: returns step times, peak VRAM and what it decided."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cap = None if engine.endswith("-uncapped") else scenario["vram_gb"]
@@ -126,7 +128,7 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: s
     try:
         model, opt = engines.setup(engine, scenario, device, dtype, wrap_options, info)
         if compile_mode:
-            info["compiled_blocks"] = engines.compile_blocks(model, compile_mode)
+            info["compiled_blocks"] = engines.compile_blocks(model, compile_mode, skip_streamed)
     except engines.EngineUnavailable as e:
         return {**result, "outcome": str(e)}
     except Exception as e:  # an engine's failure is its outcome
@@ -184,14 +186,14 @@ def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: s
 
 
 def _child(engine: str, scenario_name: str, timeout: float, steps: int | None, wrap_option_args: list[str],
-           compile_mode: str | None = None) -> dict:
+           compile_mode: str | None = None, skip_streamed: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--scenario", scenario_name]
     if steps:
         cmd += ["--steps", str(steps)]
     for text in wrap_option_args:
         cmd += ["--wrap-option", text]
     if compile_mode:
-        cmd += ["--compile-blocks", compile_mode]
+        cmd += ["--compile-blocks", compile_mode] + (["--compile-skip-streamed"] if skip_streamed else [])
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -260,9 +262,10 @@ def _lower_bound(r: dict, gpu: tuple[str, float] | None, link: float, adamw_rate
     fetched = (weights.get("streaming") or {}).get("trained_bytes") or 0
     down = host_values * per_value + mapped_values * 12  # gradients leave the GPU in backward
     up = host_values * per_value - fetched + mapped_values * 12 + streamed  # weights come back
-    # Pages leave during forward and come back during backward: the two phases follow each other,
-    # so page-outs add to the rest; page-ins share backward with the gradients (the other direction).
-    link_s = (paged_down + max(down, up + paged_up)) / link
+    # Forward, then backward, each bound by its busier direction: in forward the pages leave (device to
+    # host) while the streamed blocks come in (about half of them: a block is fetched for forward and again
+    # for backward); in backward the gradients leave while the page-ins and the other half come in.
+    link_s = (max(paged_down, streamed / 2) + max(down, up - streamed / 2 + paged_up)) / link
     down, up = down + paged_down, up + paged_up
     terms = {"gpu_fwd_bwd": gpu[1] if gpu else None, "gpu_from": gpu[0] if gpu else None,
              "link": link_s, "host_adamw": host_values / adamw_rate,
@@ -290,6 +293,8 @@ def main() -> None:
                         help="extra trainstream.wrap() option for every trainstream engine (repeatable)")
     parser.add_argument("--compile-blocks", default=None, choices=engines.COMPILE_MODES, metavar="MODE",
                         help="torch.compile each block in place with this mode: " + ", ".join(engines.COMPILE_MODES))
+    parser.add_argument("--compile-skip-streamed", action="store_true",
+                        help="with --compile-blocks: blocks whose weights stream stay eager")
     parser.add_argument("--json", default=None, help="write the results here (also after each engine)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -298,7 +303,7 @@ def main() -> None:
         scenario["steps"] = args.steps
     wrap_options = dict(args.wrap_option)
     if args.child:
-        result = _run_engine(args.child, scenario, wrap_options, args.compile_blocks)
+        result = _run_engine(args.child, scenario, wrap_options, args.compile_blocks, args.compile_skip_streamed)
         print("RESULT " + json.dumps(result, default=str), flush=True)
         sys.stderr.flush()
         os._exit(0)  # skip tearing down tens of GB and the engine's threads: the result is out
@@ -311,7 +316,8 @@ def main() -> None:
     for engine in engine_list:
         skip = engines.not_applicable(engine, scenario)
         result = ({"engine": engine, "outcome": skip, "median_s": None, "peak_gb": None} if skip
-                  else _child(engine, args.scenario, args.timeout, args.steps, passthrough, args.compile_blocks))
+                  else _child(engine, args.scenario, args.timeout, args.steps, passthrough, args.compile_blocks,
+                              args.compile_skip_streamed))
         print(f"{engine}: {result.get('outcome')} {result.get('median_s') or ''}", flush=True)
         results.append(result)
         _save(args.json, partial, results)
@@ -328,7 +334,7 @@ def main() -> None:
     if wrap_options:
         header += f"; wrap options {wrap_options}"
     if args.compile_blocks:
-        header += f"; blocks compiled (mode {args.compile_blocks})"
+        header += f"; blocks compiled (mode {args.compile_blocks}{', streamed ones eager' if args.compile_skip_streamed else ''})"
     header += f"; link {link / 1e9:.1f} GB/s; host AdamW {adamw_rate / 1e9:.2f} G values/s"
     print("\n" + header + "\n")
     print("| Engine | Median step | Peak VRAM | Lower bound | Outcome |\n|---|---|---|---|---|")

@@ -10,9 +10,11 @@ inside it, and transformers' decoder layers carry the ``kernels`` package's forw
 global while tracing; dynamo falls back for it), which runs eagerly inside the compiled block, with the
 same losses. Blocks recomputed whole compile the forward inside an eager checkpoint instead, and paged
 blocks their forward inside the eager paging hooks (a whole-block compile traced those hooks into the
-graph and failed in backward): no graph break. A whole wrapped model compiles too (``torch.compile(model)``), with one graph break: the root guard, which runs
-eagerly. Blocks whose weights stream are refused (``compile_blocks`` up front, a hand-compiled one at
-its first forward); ``skip_streamed=True`` compiles the others.
+graph and failed in backward): no graph break. Blocks whose weights stream compile their forward inside
+the eager fetch hooks, which are the block's (a compiled forward is one backward node; the hook on its
+output's gradient runs before it): no graph break either. A whole wrapped model compiles too
+(``torch.compile(model)``), with one graph break at the root guard and, with streamed blocks, one around
+each streamed block's fetch hooks, which never trace.
 """
 
 from __future__ import annotations
@@ -81,15 +83,24 @@ CASES = {
     "lora-nf4": (True, {"quantize": "nf4"}),
     "recompute": (False, {"recompute": True}),
     "activation-paging": (False, {"activation_offload": True, "min_offload_bytes": 0}),  # tiny tensors page too
+    "streamed-lora-nf4": (True, {"quantize": "nf4", "param_offload": True}),
+    "streamed-full": (False, {"param_offload": True}),  # the trained weights stream with their blocks
+    "streamed-recompute": (False, {"param_offload": True, "recompute": True}),
 }
+
+
+def _case_model(case, **kwargs):
+    """The case's model: 4 blocks where they stream, more than fit at once (prefetch 1: 3), so each is
+    evicted after forward and fetched again for backward."""
+    lora, options = CASES[case]
+    model = tiny_llama(layers=4 if "param_offload" in options else 2, **kwargs)
+    return _lora(model) if lora else model
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_blocks_train_like_uncompiled(case):
     lora, options = CASES[case]
-    model = tiny_llama()
-    if lora:
-        model = _lora(model)
+    model = _case_model(case)
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations under checkpointing
@@ -101,6 +112,9 @@ def test_compiled_blocks_train_like_uncompiled(case):
     assert all(type(layer).__name__ != "OptimizedModule" for layer in _layers(compiled_model))
     if "activation_offload" in options:  # pages were made, and brought back in the compiled backward
         assert trainstream.memory_report(compiled_model)["activations"]["paging"]["h2d_bytes"] > 0
+    if "param_offload" in options:  # fetched for forward and again for the compiled backward
+        streaming = trainstream.memory_report(compiled_model)["params"]["streaming"]
+        assert streaming["evictions"] > 0 and streaming["fetches"] > 4  # block 0 again for its backward
 
 
 def test_quantized_lora_blocks_compile_whole():
@@ -122,10 +136,8 @@ def test_quantized_lora_blocks_compile_whole():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_blocks_train_like_uncompiled_on_cuda(case, backend):
-    lora, options = CASES[case]
-    model = tiny_llama(dtype=torch.bfloat16)
-    if lora:
-        model = _lora(model)
+    _, options = CASES[case]
+    model = _case_model(case, dtype=torch.bfloat16)
     twin = copy.deepcopy(model)
     _, eager = _train(model, None, device="cuda", **options)
     _, compiled = _train(twin, backend, device="cuda", **options)
@@ -134,17 +146,56 @@ def test_compiled_blocks_train_like_uncompiled_on_cuda(case, backend):
     assert compiled == pytest.approx(eager, **tol)
 
 
-def test_compiling_a_block_whose_weights_stream_is_refused_clearly():
-    # A compiled block is one backward node: the fetches streaming hangs on its modules' outputs
-    # cannot happen inside it (it failed in backward, a saved weight overwritten by the next fetch).
-    model = _lora(tiny_llama())
-    with pytest.raises(ValueError, match=r"blocks \[0, 1\] stream their weights"):
-        _train(model, "aot_eager", quantize="nf4", param_offload=True)
-    # compiled by hand all the same: the first forward refuses it
-    model, _ = trainstream.wrap(_lora(tiny_llama()), None, quantize="nf4", param_offload=True)
-    _layers(model)[1].compile(backend="aot_eager")
-    with pytest.raises(RuntimeError, match="weights stream from host memory is not supported"):
-        loss_of(model, batches(1)[0])
+def test_streamed_blocks_compile_their_forward_without_a_graph_break():
+    # A streamed block's fetch hooks were its modules', so a compiled block (one backward node) could not
+    # fetch where backward needed it (it failed in backward, a saved weight overwritten by the next fetch).
+    from trainstream.memory.compiled_forward import CompiledForward
+
+    model = tiny_llama(layers=4)
+    model.config.use_cache = False
+    model = _lora(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model, _ = _train(model, "aot_eager", steps=3, quantize="nf4", param_offload=[0, 2])
+    layers = _layers(model)
+    assert [isinstance(layer.__dict__.get("forward"), CompiledForward) for layer in layers] == [True, False, True, False]
+    assert [layer._compiled_call_impl is not None for layer in layers] == [False, True, False, True]
+    counters = torch._dynamo.utils.counters
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["frames"]["ok"] > 0
+
+
+@pytest.mark.parametrize("how", ["block", "model"])
+def test_a_streamed_block_compiled_by_hand_or_in_a_compiled_model_trains_like_eager(how):
+    # block.compile() and torch.compile(model) trace the block's hooks; the fetch hooks never trace, so they
+    # run eagerly at graph breaks, and the fetches happen where they must.
+    def run(compiled):
+        model = tiny_llama(layers=4)
+        model.config.use_cache = False
+        model = _lora(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        model, opt = trainstream.wrap(model, opt, quantize="nf4", param_offload=True)
+        forward = model
+        if compiled and how == "block":
+            _layers(model)[0].compile(backend="aot_eager")  # evicted after forward (3 fit), fetched for backward
+        elif compiled:
+            forward = torch.compile(model, backend="aot_eager")
+        losses = _losses(forward, opt)
+        streaming = trainstream.memory_report(model)["params"]["streaming"]
+        assert streaming["evictions"] > 0 and streaming["fetches"] > 4
+        return losses
+
+    eager, compiled = _eager_then_compiled(run)
+    assert compiled == eager
+    assert torch._dynamo.utils.counters["frames"]["ok"] > 0
+
+
+def test_skip_streamed_leaves_the_streamed_blocks_eager():
+    model, _ = trainstream.wrap(_lora(tiny_llama(layers=4)), None, quantize="nf4", param_offload=[0, 2])
+    assert trainstream.compile_blocks(model, skip_streamed=True, backend="aot_eager") == [1, 3]
+    layers = _layers(model)
+    assert [layer._compiled_call_impl is not None or "forward" in layer.__dict__ for layer in layers] == [
+        False, True, False, True]
 
 
 def test_the_resident_blocks_of_a_streamed_model_compile_and_train_like_eager():

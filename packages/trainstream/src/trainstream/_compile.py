@@ -3,10 +3,11 @@
 What compiles (tests/test_compile.py): plain blocks and blocks of quantized LoRA layers whole (no graph
 break: ts-quant's quantized_linear is a custom op under tracing); blocks recomputed whole (variant
 "full") compile the forward their checkpoint runs, with the checkpoint eager around it (memory/recompute.py
-says why); paged blocks compile their forward, with the paging hooks eager around it (CompiledForward);
-selectively recomputed blocks with graph breaks around what dynamo cannot trace.
-What is refused: blocks whose weights stream from host memory
-(a compiled block is one backward node; streaming fetches a block from hooks on its modules' outputs).
+says why); paged blocks and blocks whose weights stream from host memory compile their forward, with the
+paging hooks and the fetch hooks eager around it (CompiledForward; a compiled forward is one backward node,
+and the hook on the block output's gradient that fetches a streamed block runs before it); selectively
+recomputed blocks compile whole, with graph breaks around what dynamo cannot trace (the checkpoint, and a
+streamed block's fetch hooks, which never trace).
 Measured on the H200 (docs/results/compile-lora14b-nf4-h200-2026-12-04.log): the NF4 14B LoRA step at
 1 x 512, host-bound in eager, stepped in 0.240 s against 0.291 s with mode "default".
 """
@@ -51,10 +52,10 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None
     (``dynamic=False`` unless given): the modules, their parameters and hooks stay the same objects, so
     a wrapped model's engine keeps working. Returns the indices of the compiled blocks.
 
-    Compilation happens at each block's first call. Refuses, before compiling anything, blocks whose
-    weights stream from host memory (``skip_streamed=True`` compiles the others: which blocks stream is
-    fixed at ``wrap()``, none starts streaming later) and the modes that capture CUDA graphs
-    (``reduce-overhead``, ``max-autotune``: not working with wrapped blocks yet).
+    Compilation happens at each block's first call. ``skip_streamed=True`` leaves the blocks whose weights
+    stream from host memory eager (which blocks stream is fixed at ``wrap()``). Refuses, before compiling
+    anything, the modes that capture CUDA graphs (``reduce-overhead``, ``max-autotune``: not working with
+    wrapped blocks yet).
     """
     if mode in _CUDA_GRAPH_MODES:
         raise ValueError(f"mode={mode!r} captures CUDA graphs, which do not work with wrapped blocks yet (CUDA "
@@ -66,27 +67,25 @@ def compile_blocks(model: torch.nn.Module, mode: str = "default", *, blocks=None
     if not blocks:
         raise ValueError("no blocks found in the model: pass blocks= (the repeated layers to compile)")
     streamed = _streamed_indices(model, blocks)
-    if streamed and not skip_streamed:
-        raise ValueError(f"blocks {streamed} stream their weights from host memory; a compiled block cannot "
-                         f"fetch them where backward needs them: pass skip_streamed=True to compile the others, "
-                         f"or wrap with param_offload=False")
-    compiled = [i for i in range(len(blocks)) if i not in streamed]
+    skipped = streamed if skip_streamed else []
+    compiled = [i for i in range(len(blocks)) if i not in skipped]
     compile_options.setdefault("dynamic", False)
-    paged = _paged_ids(model)
+    # Their hooks stay eager around the compiled forward: a whole-block compile traced the paging hooks into
+    # the graph (backward failed in their bookkeeping: a weak reference rebuilt as a strong one), and split a
+    # streamed block at its fetch hooks (graph breaks). Stays after unwrap(), as a compiled block would.
+    hooked = _paged_ids(model) | {id(blocks[i]) for i in streamed}
     for i in compiled:
         forward = blocks[i].__dict__.get("forward")
         if isinstance(forward, Recompute) and forward.variant == "full":
             forward.compile(mode=mode, **compile_options)
-        elif forward is None and id(blocks[i]) in paged:
-            # Its paging hooks stay eager around the compiled forward: a whole-block compile traced them into
-            # the graph, and backward failed in their bookkeeping (a weak reference rebuilt as a strong one).
-            # Stays after unwrap(), as a compiled block would.
+        elif forward is None and id(blocks[i]) in hooked:
             blocks[i].forward = CompiledForward(blocks[i], plain_forward(blocks[i]), dict(mode=mode, **compile_options))
         elif not isinstance(forward, CompiledForward):  # compiled already
             blocks[i].compile(mode=mode, **compile_options)
     session = getattr(model, "_trainstream_session", None)
     if session is not None:
-        skipped = f"; {len(streamed)} streamed blocks left eager" if streamed else ""
+        note = (f"; {len(skipped)} streamed blocks left eager (skip_streamed)" if skipped
+                else f", {len(streamed)} of them streamed" if streamed else "")
         session.events.add("compile", f"{len(compiled)} blocks compiled in place (torch.compile mode {mode!r}) "
-                                      f"at their first call{skipped}")
+                                      f"at their first call{note}")
     return compiled

@@ -211,13 +211,13 @@ def _trainer_optimizer(trainer, options: dict) -> OffloadAdamW:
 
 def _compile_decoder(model: torch.nn.Module, args) -> None:
     """``torch_compile=True``: the decoder's blocks are compiled in place too, with the config's backend
-    and mode (the chunked loss runs the decoder itself, past the model Accelerate compiled); streamed
-    blocks stay eager. Once per model."""
+    and mode (the chunked loss runs the decoder itself, past the model Accelerate compiled), streamed
+    blocks too. Once per model."""
     if getattr(model, "_trainstream_compiled", False):
         return
     blocks = decoder_layers(model)
     mode = args.torch_compile_mode or "default"
-    compile_blocks(model, mode, blocks=blocks, skip_streamed=True, backend=args.torch_compile_backend or "inductor")
+    compile_blocks(model, mode, blocks=blocks, backend=args.torch_compile_backend or "inductor")
     model._trainstream_compiled = True
 
 

@@ -9,9 +9,11 @@ block's next fetch carries it, so a streamed trained weight is never uploaded on
 Each streamed block's frozen parameters are packed into one page-locked host buffer (beyond the
 page-lock budget, pageable), and the block has one device buffer whose *storage* exists only
 while the block is resident: at most ``prefetch_depth + 2`` blocks at once. A block is fetched
-(one H2D copy) when one of its modules is about to run, in forward, recomputation and backward
-alike (forward pre-hooks on the modules that own streamed weights, and hooks on their outputs'
-gradients), and the next ``prefetch_depth`` blocks in that direction are fetched behind it.
+(one H2D copy) when it is about to run, in forward, recomputation and backward alike (a forward
+pre-hook on the block, and a hook on its output's gradient), and the next ``prefetch_depth`` blocks
+in that direction are fetched behind it. The hooks are the block's, not its modules': a compiled
+forward (``compile_blocks``) is one backward node, which the output's hook still precedes, and the hooks
+never trace (``torch.compiler.disable``), so ``torch.compile`` of the block or the model runs them eagerly.
 
 While a block is resident its parameters point at the device buffer (``param.data``); otherwise
 at their host copies, so a read of the model (``state_dict``, ``deepcopy``, user code) always sees
@@ -73,13 +75,6 @@ from .streamed_block import (
     view_in,
 )
 
-_is_compiling = torch.compiler.is_compiling
-# A compiled block is one backward node: the fetches that streaming hangs on its modules' outputs
-# cannot happen where they must inside it.
-_COMPILED_STREAMED_BLOCK = ("torch.compile of a block whose weights stream from host memory is not supported: "
-                            "compile only resident blocks (trainstream.compile_blocks refuses the others) "
-                            "or wrap with param_offload=False")
-
 __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "trained_params_of"]
 
 
@@ -116,10 +111,6 @@ class WeightStreamer:
             blocks_[i] = StreamedBlock(i, frozen_params_of(self.blocks[i]) + extra, trained=len(extra))
         self.streamed = {i: b for i, b in blocks_.items() if b.params}
         self.capacity = self.prefetch_depth + 2  # resident blocks at most
-        self._modules: dict[int, tuple[torch.nn.Module, int]] = {}
-        for i, b in self.streamed.items():
-            for module, _n, _p in b.params:
-                self._modules[id(module)] = (module, i)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident streaming blocks
         self.kept: set[int] = set()  # blocks that stay resident once fetched (invariant 6)
         self._kept_resident: set[int] = set()  # the kept blocks fetched so far
@@ -279,31 +270,31 @@ class WeightStreamer:
                 b.pinned = self.channel.is_cuda and self.region.registered
             else:
                 b.pinned = self.channel.is_cuda and self.arena.is_pinned(b.host)
-        for module, index in self._modules.values():
+        for index in self.streamed:
+            block = self.blocks[index]
             hooks = [EngineHook(self._before_forward(index)), EngineHook(self._after_forward(index))]
             self._hooks += hooks
-            self._handles += [module.register_forward_pre_hook(hooks[0]), module.register_forward_hook(hooks[1])]
+            self._handles += [block.register_forward_pre_hook(hooks[0]), block.register_forward_hook(hooks[1])]
         return self
 
     # ---- hooks ---------------------------------------------------------------------------
 
     def _before_forward(self, index: int):
-        block = self.blocks[index]
-
+        @torch.compiler.disable  # traced, the fetch would not happen where the compiled code reads the weights
         def hook(_module, _args):
-            if _is_compiling() or getattr(block, "_compiled_call_impl", None) is not None:
-                raise RuntimeError(_COMPILED_STREAMED_BLOCK)
             # A forward inside backward is a recomputation: the next blocks are the earlier ones.
             self.use(index, -1 if torch._C._current_graph_task_id() >= 0 else 1)
         return hook
 
     def _after_forward(self, index: int):
         """Backward needs the block again before the first node that reads its weights: those nodes
-        all come after the output's own node, so a hook on the output's gradient fetches it. (A
-        module backward hook would do too, but it reorders gradient sums: not bit-exact.)"""
+        all come after the output's own node (a compiled forward's one node included), so a hook on
+        the output's gradient fetches it. (A module backward hook would do too, but it reorders
+        gradient sums: not bit-exact.)"""
         def on_grad(_grad):
             self.use(index, -1)
 
+        @torch.compiler.disable
         def hook(_module, _args, output):
             if torch.is_grad_enabled():
                 for t in tensors_in(output):
