@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench"))
-import compare  # noqa: E402
+import compare
 
 GB = 1e9
 

@@ -8,8 +8,9 @@ paging hooks and the fetch hooks eager around it (CompiledForward; a compiled fo
 and the hook on the block output's gradient that fetches a streamed block runs before it); selectively
 recomputed blocks compile whole, with graph breaks around what dynamo cannot trace (the checkpoint, and a
 streamed block's fetch hooks, which never trace).
-Measured on the H200 (docs/results/compile-lora14b-nf4-h200-2026-12-04.log): the NF4 14B LoRA step at
-1 x 512, host-bound in eager, stepped in 0.240 s against 0.291 s with mode "default".
+Measured on the H200: the NF4 14B LoRA step at 1 x 512, host-bound in eager, stepped in 0.240 s against
+0.291 s with mode "default" (docs/results/compile-lora14b-nf4-h200-2026-12-04.log); with its bf16 base
+streamed, 0.457 s against 0.620 s eager on one host (docs/results/weights-compile-lora14b-bf16-h200-2026-12-04-s20.log).
 """
 
 from __future__ import annotations
