@@ -165,6 +165,31 @@ def test_streamed_blocks_compile_their_forward_without_a_graph_break():
     assert counters["frames"]["ok"] > 0
 
 
+def test_compiled_streamed_blocks_unwrap_copy_and_load_like_plain_ones():
+    # unwrap() gives the weights back as ordinary tensors under the compiled forward (it stays, as a compiled
+    # block would); a copy gets the plain forward; a state loaded between steps is what the next step reads.
+    from trainstream.memory.compiled_forward import CompiledForward
+
+    model = tiny_llama(layers=4)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = trainstream.wrap(model, opt, param_offload=True)
+    trainstream.compile_blocks(model, backend="aot_eager")
+    _losses(model, opt, steps=2)
+    ids = batches(1)[0]
+    twin = copy.deepcopy(model)
+    assert all(not isinstance(layer.__dict__.get("forward"), CompiledForward) for layer in _layers(twin))
+    saved = copy.deepcopy(model.state_dict())
+    _losses(model, opt, steps=1)
+    model.load_state_dict(saved)
+    with torch.no_grad():
+        torch.testing.assert_close(loss_of(model, ids), loss_of(twin, ids), rtol=0, atol=0)
+    trainstream.unwrap(model)
+    assert all(isinstance(layer.__dict__.get("forward"), CompiledForward) for layer in _layers(model))
+    with torch.no_grad():
+        torch.testing.assert_close(loss_of(model, ids), loss_of(twin, ids), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("how", ["block", "model"])
 def test_a_streamed_block_compiled_by_hand_or_in_a_compiled_model_trains_like_eager(how):
     # block.compile() and torch.compile(model) trace the block's hooks; the fetch hooks never trace, so they

@@ -47,7 +47,7 @@ def quantized_tensors(q, prefix: str):
 def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """(owner module, name, tensor) of each frozen weight of `block`, each once: frozen parameters,
     and the codes and scales of ts-quant ``QuantLinear`` weights (``qweight``), which stream as stored.
-    The owner module is the one whose forward reads the tensor (its pre-hook fetches the block)."""
+    The owner module is the one that holds the tensor (``load_state_dict`` and ``after_load`` find it there)."""
     from ts_quant import QuantizedTensor
 
     seen, out = set(), []

@@ -116,9 +116,9 @@ class WeightStreamer:
         self._kept_resident: set[int] = set()  # the kept blocks fetched so far
         self._freeing: collections.deque = collections.deque()  # compute-stream events after evictions
         self._current: int | None = None
-        # (block, direction) whose next blocks its use() prefetched; any eviction clears it. A block's other
-        # modules then skip the prefetch: thousands of calls a step, each walking the block list (H200
-        # profile, 2026-12-03: the host, not the link, bounds a streamed 14B step at 1 x 512).
+        # (block, direction) whose next blocks its use() prefetched; any eviction clears it. Another use() of
+        # the block in that direction (one hook per output that needs a gradient, a checkpoint's recomputation
+        # through the block's call) then skips the walk over the block list.
         self._prefetched_after: tuple[int, int] | None = None
         self._handles, self._hooks = [], []
         self.peak_resident = 0
