@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import trainstream  # before init_process_group: see peer_overhead.py's note on importing torch._dynamo late
 
 
 def build(layers: int, width: int) -> torch.nn.Module:
@@ -42,8 +43,6 @@ def batches(steps: int, batch: int, width: int) -> list[tuple[torch.Tensor, torc
 
 
 def train(rank: int, world: int, args, timers: dict, overlap: bool = True) -> list[float]:
-    import trainstream
-
     model = build(args.layers, args.width)
     threads = args.threads if world > 1 else args.threads * args.ranks
     model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), threads=threads,

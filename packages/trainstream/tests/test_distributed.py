@@ -296,3 +296,33 @@ def test_attention_auto_pins_one_kernel_on_every_rank(two):
         assert r["attention"]["chosen"][label] == r["attention"]["backend"] == "math"
         assert r["events"] and "mean over the 2 ranks" in r["events"][0]
     assert results[0]["last"] == results[1]["last"]  # the same kernel ran the last forward on both
+
+
+_IMPORT_ORDER = """
+import os, sys, tempfile, warnings, torch.distributed as dist
+store = os.path.join(tempfile.mkdtemp(), "store")
+if sys.argv[1] == "after":
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import trainstream
+if sys.argv[1] == "before":
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+print([str(w.message) for w in caught if "init_process_group" in str(w.message)])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_importing_trainstream_after_init_process_group_warns(order):
+    """docs/distributed.md: imported after the group exists, trainstream says to import it first."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ORDER, order], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    warned = eval(done.stdout.strip().splitlines()[-1])
+    if order == "after":
+        assert len(warned) == 1 and "Import trainstream before init_process_group()" in warned[0]
+    else:
+        assert warned == []

@@ -3,6 +3,19 @@
 ``model, optimizer = trainstream.wrap(model, optimizer)``
 """
 
+import sys as _sys
+import warnings as _warnings
+
+import torch.distributed as _dist
+
+# Checked before the imports below pull in torch._dynamo (docs/distributed.md: import order).
+if "torch._dynamo" not in _sys.modules and _dist.is_available() and _dist.is_initialized():
+    _warnings.warn(
+        "trainstream was imported after init_process_group(): it imports torch._dynamo, which then keeps the "
+        "default process group referenced after destroy_process_group(), and with gloo the group's threads "
+        "can abort the process at exit. Import trainstream before init_process_group().",
+        RuntimeWarning, stacklevel=2)
+
 from ts_kvcache import PagedKVCache  # the reference's trainstream.PagedKVCache; ts-kvcache owns it
 from ts_pinned import reserve_pinned
 
