@@ -4,11 +4,13 @@ ranks with bounded time, and the scenarios each rank runs (results saved as one 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pathlib
 import socket
 import time
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -161,7 +163,13 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
               "host_state_bytes": model._trainstream_session.host_state_bytes,
               "events": report["events"]}
     dp = model._trainstream_session.engine.step_hook
-    trainstream.unwrap(model)
+    session = weakref.ref(model._trainstream_session)
+    gc.disable()  # unwrap() leaves no cycle: the session is gone when it returns (test_unwrap_release.py)
+    try:
+        trainstream.unwrap(model)
+        result["session_freed"] = session() is None
+    finally:
+        gc.enable()
     calls = dp.comm.calls
     x, y = (t.to(_DEVICE) for t in local_batch(0, 0, rank, world))
     torch.nn.functional.mse_loss(model(x), y).backward()  # unwrapped: no reduction starts

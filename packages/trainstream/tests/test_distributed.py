@@ -79,6 +79,7 @@ def test_ranks_train_like_one_process_on_the_global_batch(two, three, world, sce
     assert _max_diff(first, reference) <= TOL
     for rank in range(1, world):
         assert _max_diff(_result(runs, scenario, rank)["weights"], first) == 0.0  # the ranks agree exactly
+    assert all(_result(runs, scenario, rank)["session_freed"] for rank in range(world))  # no cycle left
 
 
 def test_a_parameter_unfrozen_during_training_is_trained_by_its_owner(two):

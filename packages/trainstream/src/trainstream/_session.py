@@ -11,6 +11,8 @@ import ts_pinned
 
 from ._events import EventLog
 from ._options import WrapOptions
+from ._stalls import detach_stall_clock
+from ._weak import weakly
 from .attention import AttentionChooser, resolve_wrap_default
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
@@ -72,6 +74,7 @@ class TrainStreamSession:
         self.weights = weights  # the WeightStreamer of param_offload=, attached below
         self.host_embedding = None  # memory/host_embedding.py: the input embedding's table in host memory
         self.residency = None  # param_offload="auto": which streamed blocks stay (follow_tokens)
+        self.stalls = None  # the StallClock wrap() attaches (_stalls.py)
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
@@ -139,14 +142,16 @@ class TrainStreamSession:
                 self.events.add("weights", self._streaming_message())
                 if self.weights.shared_message:
                     self.events.add("weights", self.weights.shared_message)
+            # The session owns its components; what they call back into it is weak, so nothing keeps a
+            # closed session (and its page-locked state) alive until a garbage collection finds the cycle.
             self.activations = ActivationPolicy(model, options, device, self.arena, self.events,
-                                                reserved_link_bytes=self._backward_h2d_bytes,
-                                                reserved_vram_bytes=self._state_bytes_to_move)
+                                                reserved_link_bytes=weakly(self._backward_h2d_bytes),
+                                                reserved_vram_bytes=weakly(self._state_bytes_to_move))
             if self.weights is not None and self.activations.offloader is not None:
                 self.activations.offloader.skip = self.weights.owns  # streamed weights are not activations
             attention = resolve_wrap_default(options.attention, device, self.world, self.events)
             self.attention = AttentionChooser(attention, events=self.events,
-                                              may_reset_peak=lambda: self.adapting)
+                                              may_reset_peak=weakly(self._adapting))
             self._attention = self.attention.install(model)
             # Reads of the whole model wait for updates; a load waits too, so no upload lands on top of it.
             self._model_hook(model.register_state_dict_pre_hook, lambda *args, **kwargs: self.synchronize())
@@ -203,6 +208,9 @@ class TrainStreamSession:
                    f"block's next fetch carries" if moving else "")
                 + (f"; {resident} trained parameters in those blocks (small beside the frozen weights) stay in VRAM"
                    if resident else ""))
+
+    def _adapting(self) -> bool:
+        return self.adapting
 
     def _backward_h2d_bytes(self) -> int:
         """Host->device bytes that share the link with activation pages coming back in backward: the
@@ -424,6 +432,8 @@ class TrainStreamSession:
             if self._interrupts:
                 interrupts.uninstall()
                 self._interrupts = False
+            if self.stalls is not None:
+                detach_stall_clock(self)
 
 
 ATTENTION_AGREE_STEPS = 3  # attention='auto' under data parallel: the steps after which ranks agree

@@ -202,3 +202,17 @@ def attach_stall_clock(session) -> StallClock:
     session.optimizer_step = optimizer_step
     session.stalls = clock
     return clock
+
+
+def detach_stall_clock(session) -> None:
+    """Undoes attach_stall_clock's wiring (``session.stalls`` stays readable). The wrappers refer to what
+    they wrap (the host's own methods, the engine through the clock), so left in place they would keep
+    the closed session in reference cycles."""
+    engine = session.engine
+    for name in ("wait_applied", "wait_slot", "drain"):
+        vars(engine.host).pop(name, None)  # the class's method again
+    for owner in (engine, session.weights, getattr(session.activations, "offloader", None)):
+        channel = getattr(owner, "channel", None)
+        if isinstance(channel, _TimedChannel):
+            owner.channel = channel._channel
+    vars(session).pop("optimizer_step", None)

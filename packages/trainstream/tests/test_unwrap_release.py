@@ -1,0 +1,65 @@
+"""unwrap() frees the session at once: no reference cycle is left for a garbage collection to find,
+so the page-locked optimizer state (and the streamed weights' host copies) are released when unwrap()
+returns, even with the collector off or not due to run (trainstream/_weak.py)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import trainstream
+import ts_pinned
+from test_activations import Stack
+from test_weights import _frozen_stack
+from ts_testing import batches, tiny_llama, train
+
+
+def _linear_stack():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+
+def _steps(model, opt, rows=64):
+    g = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    for _ in range(3):
+        model(torch.randn(4, rows, generator=g).to(device)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+CASES = {
+    "plain": (_linear_stack, {}, _steps),
+    "clipped-accumulated": (_linear_stack, {"max_grad_norm": 0.5, "accumulation_steps": 2}, _steps),
+    "streamed": (_frozen_stack, {"param_offload": True}, lambda m, o: _steps(m, o, rows=32)),
+    "streamed-recompute": (_frozen_stack, {"param_offload": True, "recompute": True}, lambda m, o: _steps(m, o, 32)),
+    "paged-activations": (Stack, {"activation_offload": True, "min_offload_bytes": 0}, lambda m, o: _steps(m, o, 32)),
+    "hugging-face": (tiny_llama, {}, lambda m, o: train(m, o, batches(2), device=next(m.parameters()).device)),
+}
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_unwrap_frees_the_session_and_its_host_state_without_a_garbage_collection(case, device):
+    build, options, run = CASES[case]
+    arena = ts_pinned.default_arena()
+    gc.collect()
+    before = arena.stats()["arena_used"]
+    gc.disable()
+    try:
+        model, opt = trainstream.wrap(build(), lr=1e-3, device=device, **options)
+        run(model, opt)
+        session = weakref.ref(model._trainstream_session)
+        engine = weakref.ref(model._trainstream_session.engine)
+        assert arena.stats()["arena_used"] > before  # the host state lives in the arena while wrapped
+        trainstream.unwrap(model)
+        # The optimizer (kept: it holds the exported state) and the model no longer reach the session.
+        assert session() is None and engine() is None
+        assert arena.stats()["arena_used"] == before
+        assert opt.state  # what unwrap() exported is still there
+    finally:
+        gc.enable()
