@@ -1,9 +1,11 @@
 """unwrap() frees the session at once: no reference cycle is left for a garbage collection to find,
 so the page-locked optimizer state (and the streamed weights' host copies) are released when unwrap()
-returns, even with the collector off or not due to run (trainstream/_weak.py)."""
+returns, even with the collector off or not due to run (trainstream/_weak.py), also after a forward that
+raised midway."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -30,12 +32,37 @@ def _steps(model, opt, rows=64):
         opt.zero_grad()
 
 
+class _Boom(Exception):
+    pass
+
+
+def _steps_one_failing_mid_forward(model, opt):
+    """A step, one whose forward raises inside block 2 (after blocks 0-1 ran and paged), a step."""
+    calls = []
+
+    def boom(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise _Boom
+
+    handle = model.layers[2].register_forward_pre_hook(boom)
+    try:
+        for _ in range(3):
+            with contextlib.suppress(_Boom):
+                _steps(model, opt, rows=32)
+    finally:
+        handle.remove()
+    assert len(calls) > 2
+
+
 CASES = {
     "plain": (_linear_stack, {}, _steps),
     "clipped-accumulated": (_linear_stack, {"max_grad_norm": 0.5, "accumulation_steps": 2}, _steps),
     "streamed": (_frozen_stack, {"param_offload": True}, lambda m, o: _steps(m, o, rows=32)),
     "streamed-recompute": (_frozen_stack, {"param_offload": True, "recompute": True}, lambda m, o: _steps(m, o, 32)),
     "paged-activations": (Stack, {"activation_offload": True, "min_offload_bytes": 0}, lambda m, o: _steps(m, o, 32)),
+    "streamed-paged-failed-forward": (_frozen_stack, {"param_offload": True, "activation_offload": True,
+                                                      "min_offload_bytes": 0}, _steps_one_failing_mid_forward),
     "hugging-face": (tiny_llama, {}, lambda m, o: train(m, o, batches(2), device=next(m.parameters()).device)),
 }
 ON_GPU = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),

@@ -124,8 +124,9 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         session.events.add("plan", plan.message if plan.fits else f"check_memory=False, so it tries: {plan.message}")
         attach_stall_clock(session)
         if streamed_for is not None and residency.FOLLOW_TOKENS and session.weights.keepable():
+            events = session.events  # not the session: it owns the residency (no cycle, _weak.py)
             session.follow_tokens(WeightResidency(session.weights, streamed_for,
-                                                  lambda text: session.events.add("weights", text)))
+                                                  lambda text: events.add("weights", text)))
         if allocator_why:
             session.events.add("memory", allocator_why)
         if offload_why:
