@@ -27,7 +27,10 @@ def _cuda_test_starts_from_what_is_live(request):
     """A CUDA test measures memory from what is live: garbage an earlier test left in reference cycles
     (wrapped models, their sessions) is collected first, else a collection in the middle of the test frees
     it and the test's deltas and caps go wrong. (H200, 2026-12-04: two memory tests of test_cuda.py failed
-    after test_compile.py in one process and passed alone; that this was the cause is not confirmed yet.)"""
+    after test_compile.py in one process and passed alone; that this was the cause is not confirmed yet.
+    Until 2026-12-04's fix, a collection could not free a wrapped model dropped after a backward at all:
+    its engine stayed reachable through the parameters' grad hooks, which C++ holds; see
+    test_unwrap_release.py.)"""
     if request.node.get_closest_marker("cuda") is not None and torch.cuda.is_available():
         import gc
 

@@ -90,3 +90,60 @@ def test_unwrap_frees_the_session_and_its_host_state_without_a_garbage_collectio
         assert opt.state  # what unwrap() exported is still there
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_wrapped_model_dropped_without_unwrap_is_freed_whole_by_a_collection(case, device):
+    """No unwrap(): the model and its session are a cycle, which one collection frees entirely: weights,
+    engine, host state, and the host worker's thread (before, the parameters' grad hooks, which C++ holds
+    and the collector cannot see through, kept the engine and everything it holds alive for good)."""
+    build, options, run = CASES[case]
+    arena = ts_pinned.default_arena()
+    gc.collect()
+    before = arena.stats()["arena_used"]
+    model, opt = trainstream.wrap(build(), lr=1e-3, device=device, **options)
+    run(model, opt)
+    engine = weakref.ref(model._trainstream_session.engine)
+    weight = weakref.ref(next(model.parameters()))
+    worker = model._trainstream_session.engine.host._thread
+    del model, opt
+    gc.collect()
+    assert engine() is None
+    worker.join(timeout=30)  # collecting the engine told its worker to stop
+    assert not worker.is_alive()
+    assert weight() is None
+    assert arena.stats()["arena_used"] == before
+
+
+def test_wrap_frees_an_earlier_wrapped_model_dropped_without_unwrap_before_it_plans(monkeypatch):
+    """A wrapped model and its session form a cycle: `del model` leaves both to the collector, with their
+    memory (VRAM, host state) unseen by the next plan. wrap() collects first when they may hold enough."""
+    from trainstream import _dropped
+
+    arena = ts_pinned.default_arena()
+    gc.collect()
+    before = arena.stats()["arena_used"]
+    gc.disable()
+    try:
+        model, opt = trainstream.wrap(_linear_stack(), lr=1e-3)
+        _steps(model, opt)
+        held = arena.stats()["arena_used"] - before
+        dropped = weakref.ref(model._trainstream_session)
+        del model, opt
+        assert dropped() is not None  # the cycle: nothing freed it yet
+
+        small, _ = trainstream.wrap(_linear_stack(), lr=1e-3)  # below MIN_HELD_BYTES: no collection
+        assert dropped() is not None
+        assert not any("earlier wrapped model" in e for e in trainstream.memory_report(small)["events"])
+        trainstream.unwrap(small)
+
+        monkeypatch.setattr(_dropped, "MIN_HELD_BYTES", 0)
+        model, _opt = trainstream.wrap(_linear_stack(), lr=1e-3)
+        assert dropped() is None
+        assert arena.stats()["arena_used"] - before == held  # this model's state only
+        events = [e for e in trainstream.memory_report(model)["events"] if "earlier wrapped model" in e]
+        assert len(events) == 1 and "1 earlier wrapped model(s)" in events[0], events
+        trainstream.unwrap(model)
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ import torch
 import ts_adamw
 import ts_pinned
 
+from ._dropped import track
 from ._events import EventLog
 from ._options import WrapOptions
 from ._stalls import detach_stall_clock
@@ -78,6 +79,7 @@ class TrainStreamSession:
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
+        track(self)
 
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         slots = []

@@ -185,8 +185,10 @@ def attach_stall_clock(session) -> StallClock:
     of the engine, the weight streamer and the activation pager) as link stalls, and each optimizer
     step closes a step. Interim wiring by per-session attributes until the engine records its waits."""
     engine = session.engine
-    clock = StallClock(session.device, busy=lambda: engine.host.busy_seconds)
     host = engine.host
+    # Not over the engine: the host worker's thread holds `host` (and, through the timed waits below, the
+    # clock), so a reference to the engine here would keep a dropped model's engine and state alive.
+    clock = StallClock(session.device, busy=lambda: host.busy_seconds)
     for name in ("wait_applied", "wait_slot", "drain"):
         setattr(host, name, _timed(getattr(host, name), clock, "host_optimizer"))
     owners = [engine, session.weights, getattr(session.activations, "offloader", None)]

@@ -10,6 +10,7 @@ import torch
 import ts_planner
 
 from ._convert import to_offload_adamw
+from ._dropped import collect_dropped
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._options import parse_options
 from ._session import TrainStreamSession
@@ -85,6 +86,7 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
         options = {**optimizer.wrap_options, **options}
     opts = parse_options(options)
     device = _training_device(model, opts.device)
+    dropped_why = collect_dropped(device)  # before anything is measured: what dropped models still held
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
     embedding = _host_embedding_choice(model, device, opts)  # resolves opts.host_embedding
     offload_why = None
@@ -127,6 +129,8 @@ def wrap(model: torch.nn.Module, optimizer=None, **options):
             events = session.events  # not the session: it owns the residency (no cycle, _weak.py)
             session.follow_tokens(WeightResidency(session.weights, streamed_for,
                                                   lambda text: events.add("weights", text)))
+        if dropped_why:
+            session.events.add("memory", dropped_why)
         if allocator_why:
             session.events.add("memory", allocator_why)
         if offload_why:

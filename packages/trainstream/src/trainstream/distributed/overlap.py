@@ -63,7 +63,7 @@ class EagerReductions:
             for i in bucket.items:
                 self.bucket_of[i] = b
         self._lock = threading.Lock()  # hooks of several device threads
-        self._hook = EngineHook(self._on_grad)
+        self._hook = EngineHook(self._on_grad, weak=True)
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook) for s in plan_slots]
         self.in_backward = 0  # buckets of this window started by the hooks
         self.at_step = 0  # buckets of this window started by finish()

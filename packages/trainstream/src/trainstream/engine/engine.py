@@ -19,6 +19,7 @@ stay DORMANT: no buffers.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import ts_adamw
@@ -88,6 +89,9 @@ class UpdateEngine:
         self.channel = channel_for(device)
         self.marks = UploadMarks()
         self.host = HostUpdater(self.channel, self.marks, events)
+        # A model dropped without unwrap() is collected with its engine (a cycle through the session); the
+        # worker's thread holds only the updater, so it would idle forever: stop it then. Never refers to self.
+        weakref.finalize(self, self.host.stop_soon).atexit = False  # at exit, updates.py's handler drains them
         self.last_grad_norm: float | None = None
         self._clip_scale: float | None = None  # this step's coefficient, kept until all its updates are queued
         self._device_done: torch.cuda.Event | None = None  # the newest device update of this step
@@ -97,9 +101,9 @@ class UpdateEngine:
         # record_stream per tensor): (event, gradients).
         self._held_grads: tuple | None = None
         self._dormant = [s for s in slots if s.state is S.DORMANT]
-        self._grad_hook = EngineHook(self._on_grad)
+        self._grad_hook = EngineHook(self._on_grad, weak=True)
         self.buckets = GradBuckets()  # host-placed gradients leave a bucket at a time (buckets.py)
-        self._after_backward_hook = EngineHook(self._after_backward)
+        self._after_backward_hook = EngineHook(self._after_backward, weak=True)
         self._after_backward_queued = False
         self.d2h_launches = 0  # gradient D2H launches (one per bucket taken, or per gradient taken alone)
         # Streamed slots (slots.py, invariant 7): set by the session to its WeightStreamer, which gives each

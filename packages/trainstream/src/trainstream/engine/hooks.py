@@ -7,6 +7,7 @@ holds no reference to the engine, its threads or its locks.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 __all__ = ["EngineHook", "inert"]
@@ -22,15 +23,24 @@ def _inert_factory():
 
 
 class EngineHook:
-    """A callable hook that does nothing once disabled and copies as ``inert``."""
+    """A callable hook that does nothing once disabled and copies as ``inert``.
 
-    __slots__ = ("_fn",)
+    ``weak=True`` (a bound method): the hook does not keep the method's object alive, and does nothing
+    once it is gone. For hooks that C++ holds (a parameter's post-accumulate-grad hooks, autograd
+    callbacks): the cycle collector cannot see through those, so a strong hook back to the engine, which
+    holds the parameter, would keep a dropped model's engine, state and worker alive for good.
+    """
 
-    def __init__(self, fn: Callable):
-        self._fn = fn
+    __slots__ = ("_fn", "_weak")
+
+    def __init__(self, fn: Callable, weak: bool = False):
+        self._weak = weak
+        self._fn = weakref.WeakMethod(fn) if weak else fn
 
     def __call__(self, *args, **kwargs):
         fn = self._fn
+        if fn is not None and self._weak:
+            fn = fn()
         return None if fn is None else fn(*args, **kwargs)
 
     def disable(self) -> None:

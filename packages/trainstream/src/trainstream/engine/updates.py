@@ -306,9 +306,14 @@ class HostUpdater:
         if not self._running:
             return
         self.drain()
+        self.stop_soon()
+        self._thread.join()
+
+    def stop_soon(self) -> None:
+        """Tells the worker to stop after what is queued, without waiting: safe from a finalizer, which may
+        run on the worker's own thread (the engine's, when a dropped model is collected)."""
         self._items.append(None)
         self._wake.set()
-        self._thread.join()
 
     # ---- worker thread ------------------------------------------------------------
 
@@ -328,6 +333,7 @@ class HostUpdater:
                         batch.append(self._items.popleft())
                         values += batch[-1][1].numel
                     self._apply(batch)
+                    del item, batch  # an idle worker must not keep the last slots (and their parameters) alive
         finally:
             self._running = False
 
