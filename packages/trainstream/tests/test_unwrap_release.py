@@ -147,3 +147,25 @@ def test_wrap_frees_an_earlier_wrapped_model_dropped_without_unwrap_before_it_pl
         trainstream.unwrap(model)
     finally:
         gc.enable()
+
+
+def test_a_stop_queued_from_the_workers_own_thread_is_found_by_its_next_timed_wait(monkeypatch):
+    """A collection can run the engine's finalizer on the host worker's own thread, even while that thread
+    holds its wake event's lock: there stop_soon() only queues the stop (setting the event could deadlock),
+    and the worker's timed wait finds it."""
+    import threading
+
+    from trainstream.engine import updates
+
+    monkeypatch.setattr(updates, "IDLE_CHECK_S", 0.05)
+    model, opt = trainstream.wrap(_linear_stack(), lr=1e-3)
+    _steps(model, opt)  # the worker now waits with the new, short period
+    host = model._trainstream_session.engine.host
+    worker = host._thread
+    monkeypatch.setattr(threading, "current_thread", lambda: worker)  # as if called on the worker
+    host.stop_soon()
+    monkeypatch.undo()
+    assert not host._wake.is_set()  # not woken: only the timed wait can find the stop
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    trainstream.unwrap(model)

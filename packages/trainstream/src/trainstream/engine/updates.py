@@ -215,6 +215,7 @@ def _finish_updates_at_exit() -> None:
 # (issue 13: LoRA's 82 K to 442 K values per tensor, 896 tensors at the 32B shape); a tensor above the limit
 # runs alone, so its upload starts as soon as it is done.
 BATCH_MAX_VALUES = 1 << 22
+IDLE_CHECK_S = 1.0  # an idle worker looks at its queue this often even unwoken (see HostUpdater.stop_soon)
 BATCH_MAX_ITEMS = 64
 
 
@@ -310,17 +311,20 @@ class HostUpdater:
         self._thread.join()
 
     def stop_soon(self) -> None:
-        """Tells the worker to stop after what is queued, without waiting: safe from a finalizer, which may
-        run on the worker's own thread (the engine's, when a dropped model is collected)."""
+        """Tells the worker to stop after what is queued, without waiting: safe from a finalizer (the
+        engine's, when a dropped model is collected), which may run on the worker's own thread, even inside
+        its wake event's lock (Event.wait allocates while holding it): there it only queues the stop, which
+        the worker's next timed wait finds."""
         self._items.append(None)
-        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._wake.set()
 
     # ---- worker thread ------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while True:
-                self._wake.wait()
+                self._wake.wait(IDLE_CHECK_S)
                 self._wake.clear()
                 while self._items:
                     item = self._items.popleft()
