@@ -47,6 +47,5 @@ def collect_dropped(device: torch.device) -> str | None:
 
 def _held_bytes(session) -> int:
     """An upper bound of what collecting `session` could free: its model's tensors and its host state."""
-    model = session.model
-    tensors = [*model.parameters(), *model.buffers()] if model is not None else []
+    tensors = [*session.model.parameters(), *session.model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors) + getattr(session, "host_state_bytes", 0)

@@ -179,6 +179,14 @@ def _timed(fn, clock: StallClock, cause: str):
     return timed
 
 
+_TIMED_HOST_WAITS = ("wait_applied", "wait_slot", "drain")  # the host worker's waits that count as stalls
+
+
+def _channel_owners(session) -> list:
+    """Whatever holds a copy channel whose waits count as link stalls (None where the session has none)."""
+    return [session.engine, session.weights, getattr(session.activations, "offloader", None)]
+
+
 def attach_stall_clock(session) -> StallClock:
     """Installs a StallClock on `session` (``session.stalls``): the training loop's waits on the host
     updates (the engine's HostUpdater) count as host-optimizer stalls, its waits on copies (the channel
@@ -189,10 +197,9 @@ def attach_stall_clock(session) -> StallClock:
     # Not over the engine: the host worker's thread holds `host` (and, through the timed waits below, the
     # clock), so a reference to the engine here would keep a dropped model's engine and state alive.
     clock = StallClock(session.device, busy=lambda: host.busy_seconds)
-    for name in ("wait_applied", "wait_slot", "drain"):
+    for name in _TIMED_HOST_WAITS:
         setattr(host, name, _timed(getattr(host, name), clock, "host_optimizer"))
-    owners = [engine, session.weights, getattr(session.activations, "offloader", None)]
-    for owner in owners:
+    for owner in _channel_owners(session):
         if owner is not None and getattr(owner, "channel", None) is not None:
             owner.channel = _TimedChannel(owner.channel, clock)
     step = session.optimizer_step
@@ -208,12 +215,11 @@ def attach_stall_clock(session) -> StallClock:
 
 def detach_stall_clock(session) -> None:
     """Undoes attach_stall_clock's wiring (``session.stalls`` stays readable). The wrappers refer to what
-    they wrap (the host's own methods, the engine through the clock), so left in place they would keep
-    the closed session in reference cycles."""
-    engine = session.engine
-    for name in ("wait_applied", "wait_slot", "drain"):
-        vars(engine.host).pop(name, None)  # the class's method again
-    for owner in (engine, session.weights, getattr(session.activations, "offloader", None)):
+    they wrap (the host's own methods, the session's step), so left in place they would keep the closed
+    session in reference cycles."""
+    for name in _TIMED_HOST_WAITS:
+        vars(session.engine.host).pop(name, None)  # the class's method again
+    for owner in _channel_owners(session):
         channel = getattr(owner, "channel", None)
         if isinstance(channel, _TimedChannel):
             owner.channel = channel._channel

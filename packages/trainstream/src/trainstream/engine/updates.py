@@ -215,8 +215,8 @@ def _finish_updates_at_exit() -> None:
 # (issue 13: LoRA's 82 K to 442 K values per tensor, 896 tensors at the 32B shape); a tensor above the limit
 # runs alone, so its upload starts as soon as it is done.
 BATCH_MAX_VALUES = 1 << 22
-IDLE_CHECK_S = 1.0  # an idle worker looks at its queue this often even unwoken (see HostUpdater.stop_soon)
 BATCH_MAX_ITEMS = 64
+IDLE_CHECK_S = 1.0  # an idle worker looks at its queue this often even unwoken (see HostUpdater.stop_soon)
 
 
 def _joins(batch_values: int, first: ParamSlot, other: ParamSlot) -> bool:
