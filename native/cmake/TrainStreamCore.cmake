@@ -66,7 +66,8 @@ set(TS_NATIVE_SOURCES
     "${TS_NATIVE_DIR}/src/host_cpus.cpp"
     "${TS_NATIVE_DIR}/src/cgroup.cpp"
     "${TS_NATIVE_DIR}/src/cuda_check.cpp"
-    "${TS_NATIVE_DIR}/src/host_memory_info.cpp")
+    "${TS_NATIVE_DIR}/src/host_memory_info.cpp"
+    "${TS_NATIVE_DIR}/src/page_lock.cpp")
 
 function(ts_add_core target)
   cmake_parse_arguments(ARG "" "PACKAGE" "SOURCES;CUDA_SOURCES;SM90A_SOURCES" ${ARGN})

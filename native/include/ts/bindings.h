@@ -19,6 +19,7 @@
 #include "ts/errors.h"
 #include "ts/host_cpus.h"
 #include "ts/host_memory_info.h"
+#include "ts/page_lock.h"
 #include "ts/thread_pool.h"
 
 namespace ts {
@@ -104,6 +105,18 @@ inline void register_common(nb::module_& m) {
         "Host RAM in bytes: {'total', 'available', 'source', ...}; /proc/meminfo bounded by the cgroup (v1 or v2) "
         "memory limit where one is set ('source' says which bounds 'available'). `root` (tests) reads /proc and "
         "/sys/fs/cgroup under another directory, as TS_CGROUP_ROOT does.");
+    m.def("memlock_limit", [] { return memlock_soft_limit(); },
+          "The soft RLIMIT_MEMLOCK in bytes, or None when unlimited.");
+    m.def(
+        "page_lock_budget_bytes",
+        [](uint64_t available, double fraction, int64_t processes, std::optional<uint64_t> memlock) {
+            return page_lock_budget_bytes(available, fraction, processes, memlock);
+        },
+        nb::arg("available"), nb::arg("fraction") = 0.8, nb::arg("processes") = 1, nb::arg("memlock").none(),
+        "Bytes one process may page-lock: `fraction` of its share of `available` bytes (split between `processes` "
+        "on the machine), at most its share of `memlock` (the soft RLIMIT_MEMLOCK; None: unlimited) when that "
+        "limit is 1 GiB or more (smaller ones are distribution defaults the CUDA driver ignores). The one rule "
+        "ts-pinned's arena probe and ts-planner's budget share.");
     m.def("_host_pool_info", [] {
         const ts_host_pool_api& api = active_host_pool_api();
         PyObject* registered = PySys_GetObject(TS_HOST_POOL_ATTR);

@@ -157,3 +157,17 @@ def test_a_bad_config_and_no_gpu_exit_2(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         cli.main(["plan", "--size", "7b"])
     assert stop.value.code == 2 and "pass --vram-gb" in capsys.readouterr().err
+
+
+def test_a_mixture_of_experts_config_counts_every_expert(tmp_path, capsys):
+    # Mixtral-8x7B's published config: 46.7 B parameters, not the 7.24 B of one expert per block.
+    fields = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=4096,
+                  intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    _code, out = _run([str(tmp_path), "--lora", "16", "--vram-gb", "24", "--host-gb", "128"], capsys)
+    assert "46.70 B parameters" in out
+    plan = json.loads(_run([str(tmp_path), "--lora", "16", "--vram-gb", "24", "--host-gb", "128", "--json"],
+                           capsys)[1])
+    # Its bf16 weights alone are 87 GiB: in 24 GB only quantized codes, streamed blocks or both can fit.
+    assert plan["quantize"] is not None or plan["streamed_blocks"] > 0

@@ -93,12 +93,12 @@ def test_the_event_says_what_packed_and_bad_values_are_refused():
 
 
 def test_auto_packs_unless_only_the_unpacked_plan_fits(monkeypatch):
-    import trainstream._wrap as wrap_module
+    import trainstream.planning.decide as decide_module
 
     model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)  # "auto", room for both copies
     assert trainstream.memory_report(model)["params"]["streaming"]["packed_blocks"] == [0, 1, 2]
     trainstream.unwrap(model)
-    real = wrap_module.plan_wrap
+    real = decide_module.plan_wrap
 
     def host_too_small_for_packed_copies(*args, stream_packing=False, **kwargs):
         plan = real(*args, stream_packing=stream_packing, **kwargs)
@@ -106,7 +106,7 @@ def test_auto_packs_unless_only_the_unpacked_plan_fits(monkeypatch):
             plan = dataclasses.replace(plan, fits=False)
         return plan
 
-    monkeypatch.setattr(wrap_module, "plan_wrap", host_too_small_for_packed_copies)
+    monkeypatch.setattr(decide_module, "plan_wrap", host_too_small_for_packed_copies)
     model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)
     streaming = trainstream.memory_report(model)["params"]["streaming"]
     assert "packed_blocks" not in streaming and streaming["source"] == "host"

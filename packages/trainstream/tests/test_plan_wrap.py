@@ -14,8 +14,8 @@ import trainstream
 import ts_planner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from trainstream import _wrap
 from trainstream.memory.plan import PLAN_SEQ, ModelFacts, PlanRefused, describe_model, plan_wrap
+from trainstream.planning import decide
 from ts_testing import batches, loss_of, tiny_llama
 
 GiB = 1 << 30
@@ -44,12 +44,12 @@ def budget(vram_gib: float, host_gib: float, pin: float = 0.8) -> ts_planner.Bud
 
 def patch_budget(monkeypatch, **fields):
     """wrap()'s budget with `fields` replaced (the machine's otherwise)."""
-    real = _wrap.wrap_budget
+    real = decide.wrap_budget
 
     def fake(device, opts, f):
         return dataclasses.replace(real(device, opts, f), **fields)
 
-    monkeypatch.setattr(_wrap, "wrap_budget", fake)
+    monkeypatch.setattr(decide, "wrap_budget", fake)
 
 
 # ---- refusal ---------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 import trainstream
-from trainstream import _wrap
 from trainstream._options import parse_options
+from trainstream.planning import decide as _decide
 from ts_testing import batches, loss_of, tiny_llama
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -34,9 +34,20 @@ def lora_7b_on_meta():
     return _lora(model)
 
 
+def _auto(model, opts):
+    """param_offload='auto''s decision (planning/decide.py) on `model` for the CPU, as plan() makes it."""
+    from trainstream.memory.blocks import find_blocks
+    from trainstream.memory.plan import describe_model
+
+    blocks = find_blocks(model)
+    facts = describe_model(model, blocks)
+    inputs = (blocks, facts, _decide.wrap_budget(torch.device("cpu"), opts, facts))
+    return _decide._auto_param_offload(opts, inputs, opts.moment_dtype)
+
+
 def _with_vram(monkeypatch, vram_gib: float):
-    real = _wrap.wrap_budget
-    monkeypatch.setattr(_wrap, "wrap_budget", lambda d, o, f: dataclasses.replace(
+    real = _decide.wrap_budget
+    monkeypatch.setattr(_decide, "wrap_budget", lambda d, o, f: dataclasses.replace(
         real(d, o, f), vram_bytes=int(vram_gib * GiB), host_bytes=200 * GiB, pinned_bytes=150 * GiB))
 
 
@@ -45,7 +56,7 @@ def test_less_vram_never_streams_fewer_blocks_and_enough_streams_none(lora_7b_on
     counts = []
     for vram in (40, 24, 16, 12, 8):
         _with_vram(monkeypatch, vram)
-        chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+        chosen, why, implied = _auto(lora_7b_on_meta, opts)
         assert implied is None
         counts.append(0 if chosen is False else len(chosen))
         assert "param_offload='auto'" in why
@@ -59,7 +70,7 @@ def test_auto_leaves_the_weights_to_quantize_when_it_is_on(lora_7b_on_meta, monk
     """prefer='speed': quantizing is the faster way to fit, so nothing streams while a format fits."""
     _with_vram(monkeypatch, 12)  # NF4 codes of the 7B base fit with every block resident
     for quantize, why_part in (("auto", "quantize='auto' fits the weights"), ("nf4", "none stream")):
-        chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), parse_options(
+        chosen, why, implied = _auto(lora_7b_on_meta, parse_options(
             {"param_offload": "auto", "quantize": quantize, "prefer": "speed"}))
         assert chosen is False and implied is None and why_part in why
 
@@ -70,16 +81,15 @@ def test_prefer_exact_streams_exact_weights_before_quantizing(lora_7b_on_meta, m
     opts = parse_options({"param_offload": "auto", "quantize": "auto"})
     assert opts.prefer == "exact"
     _with_vram(monkeypatch, 12)
-    chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
-    exact, _, _ = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"),
-                                           parse_options({"param_offload": "auto", "quantize": None}))
+    chosen, why, implied = _auto(lora_7b_on_meta, opts)
+    exact, _, _ = _auto(lora_7b_on_meta, parse_options({"param_offload": "auto", "quantize": None}))
     assert implied is None and chosen == exact and 0 < len(chosen) < 28
     assert "as stored" in why and "prefer='exact'" in why
     _with_vram(monkeypatch, 8)  # no exact stream fits: the NF4 codes stream, and the event says why
-    chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+    chosen, why, implied = _auto(lora_7b_on_meta, opts)
     assert implied == "nf4" and chosen and "even with every block streamed the exact weights do not fit" in why
     _with_vram(monkeypatch, 40)  # everything fits as it is: nothing streams, nothing to quantize
-    chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), opts)
+    chosen, why, implied = _auto(lora_7b_on_meta, opts)
     assert chosen is False and implied is None
     with pytest.raises(ValueError, match="prefer"):
         parse_options({"prefer": "fast"})
@@ -92,7 +102,7 @@ def test_when_no_quantization_fits_resident_the_codes_stream(lora_7b_on_meta, mo
     for vram in (10, 9, 8):  # 12 GiB holds the NF4 base resident (the test above)
         _with_vram(monkeypatch, vram)
         for quantize in ("nf4", "auto"):
-            chosen, why, implied = _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), parse_options(
+            chosen, why, implied = _auto(lora_7b_on_meta, parse_options(
                 {"param_offload": "auto", "quantize": quantize, "prefer": "speed"}))
             assert implied == (None if quantize == "nf4" else "nf4")
             assert chosen and "as nf4 codes" in why, why
@@ -134,18 +144,18 @@ def test_local_ranks_sharing_the_streamed_copy_count_it_once_per_machine(lora_7b
     from trainstream.memory.plan import describe_model, plan_wrap
 
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(_wrap.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
+    monkeypatch.setattr(_decide.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     one = parse_options({"param_offload": True})
-    assert _wrap._streamed_shared_by(one, 1 << 30) == 1  # no process group
+    assert _decide._streamed_shared_by(one, 1 << 30) == 1  # no process group
     monkeypatch.setattr(tsd, "world_of", lambda distributed: 1 if distributed is False else 8)
-    assert _wrap._streamed_shared_by(one, 1 << 30) == 4  # 8 ranks, 4 on this machine
-    assert _wrap._streamed_shared_by(parse_options({"param_offload": True, "distributed": False}), 1 << 30) == 1
-    monkeypatch.setattr(_wrap.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, (1 << 30) - 1))
-    assert _wrap._streamed_shared_by(one, 1 << 30) == 1  # no room in /dev/shm: private copies
+    assert _decide._streamed_shared_by(one, 1 << 30) == 4  # 8 ranks, 4 on this machine
+    assert _decide._streamed_shared_by(parse_options({"param_offload": True, "distributed": False}), 1 << 30) == 1
+    monkeypatch.setattr(_decide.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, (1 << 30) - 1))
+    assert _decide._streamed_shared_by(one, 1 << 30) == 1  # no room in /dev/shm: private copies
 
     facts = describe_model(lora_7b_on_meta, find_blocks(lora_7b_on_meta))
-    budget = dataclasses.replace(_wrap.wrap_budget(torch.device("cpu"), one, facts), host_bytes=200 * GiB,
+    budget = dataclasses.replace(_decide.wrap_budget(torch.device("cpu"), one, facts), host_bytes=200 * GiB,
                                  pinned_bytes=150 * GiB)
     private, shared = (plan_wrap(facts, budget, quantize=None, streamed_blocks=28, streamed_shared_by=k).plan
                        for k in (1, 4))
@@ -154,10 +164,10 @@ def test_local_ranks_sharing_the_streamed_copy_count_it_once_per_machine(lora_7b
     assert private.host_bytes - shared.host_bytes == whole - -(-whole // 4)
     # param_offload='auto' plans with the same sharing.
     seen = []
-    real = _wrap.plan_wrap
-    monkeypatch.setattr(_wrap, "plan_wrap", lambda *a, **k: seen.append(k.get("streamed_shared_by")) or real(*a, **k))
-    monkeypatch.setattr(_wrap.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
+    real = _decide.plan_wrap
+    monkeypatch.setattr(_decide, "plan_wrap", lambda *a, **k: seen.append(k.get("streamed_shared_by")) or real(*a, **k))
+    monkeypatch.setattr(_decide.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
     _with_vram(monkeypatch, 16)
-    _wrap._auto_param_offload(lora_7b_on_meta, torch.device("cpu"), parse_options({"param_offload": "auto",
+    _auto(lora_7b_on_meta, parse_options({"param_offload": "auto",
                                                                                    "quantize": None}))
     assert seen and set(seen) == {4}

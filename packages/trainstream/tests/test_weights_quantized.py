@@ -62,9 +62,9 @@ def test_reads_of_a_streamed_quantized_model_see_the_codes():
 def test_wrap_quantizes_and_streams_when_param_offload_auto_implies_nf4(monkeypatch):
     """The decision itself is tested on a 7B shape (test_weights_auto.py); here wrap() acts on it:
     quantize='auto' becomes the implied NF4, and the chosen blocks stream their codes."""
-    from trainstream import _wrap
+    from trainstream.planning import decide
 
-    monkeypatch.setattr(_wrap, "_auto_param_offload", lambda m, d, o, inputs=None: ([0, 1], "param_offload='auto': test", "nf4"))
+    monkeypatch.setattr(decide, "_auto_param_offload", lambda o, inputs, moments: ([0, 1], "param_offload='auto': test", "nf4"))
     model, opt = trainstream.wrap(_lora(), lr=1e-3, quantize="auto", param_offload="auto")
     _train(model, opt, steps=2)
     report = trainstream.memory_report(model)

@@ -173,3 +173,50 @@ def test_real_host_memory_is_consistent():
     if info["cgroup_limit"] is not None:
         assert info["total"] <= info["cgroup_limit"]
     assert ts_pinned.page_lock_budget().memory_source == info["source"]
+
+
+# ---- the page-lock rule (native/src/page_lock.cpp), shared with ts-planner's budget ------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(available=st.integers(0, 1 << 44), fraction=st.floats(0.01, 1.0), processes=st.integers(1, 256),
+       memlock=st.one_of(st.none(), st.integers(0, 1 << 44)))
+def test_page_lock_rule(available, fraction, processes, memlock):
+    from ts_pinned import _core
+
+    budget = _core.page_lock_budget_bytes(available, fraction, processes, memlock)
+    share = available // processes
+    assert budget <= share
+    assert abs(budget - share * fraction) <= 1 + share * 1e-12 or (memlock is not None and memlock >= GiB)
+    if memlock is not None and memlock >= GiB:
+        assert budget <= memlock // processes  # a deliberately raised limit binds
+        assert budget == min(int(share * fraction), memlock // processes) or abs(
+            budget - min(share * fraction, memlock // processes)) <= 1
+    # More RAM never page-locks less; more processes never give one of them more.
+    assert _core.page_lock_budget_bytes(available + GiB, fraction, processes, memlock) >= budget
+    assert _core.page_lock_budget_bytes(available, fraction, processes + 1, memlock) <= budget
+
+
+def test_a_small_memlock_limit_is_not_a_plan_bound():
+    from ts_pinned import _core
+
+    assert _core.page_lock_budget_bytes(8 * GiB, 0.5, 1, 64 << 10) == 4 * GiB  # a distribution default
+    assert _core.page_lock_budget_bytes(8 * GiB, 0.5, 1, 2 * GiB) == 2 * GiB  # raised on purpose
+    assert _core.page_lock_budget_bytes(8 * GiB, 0.5, 2, 2 * GiB) == GiB  # each process its share
+
+
+@pytest.mark.parametrize("bad", [dict(fraction=0.0), dict(fraction=1.5), dict(processes=0)])
+def test_page_lock_rule_refuses_bad_arguments(bad):
+    from ts_pinned import _core
+
+    with pytest.raises(ValueError):
+        _core.page_lock_budget_bytes(GiB, bad.get("fraction", 0.8), bad.get("processes", 1), None)
+
+
+def test_local_processes_split_the_budget():
+    one, four = ts_pinned.page_lock_budget(), ts_pinned.page_lock_budget(processes=4)
+    assert four.budget <= four.mem_available // 4 and one.budget <= one.mem_available
+    with pytest.raises(ValueError, match="processes"):
+        ts_pinned.page_lock_budget(processes=0)

@@ -185,3 +185,17 @@ def test_streamed_blocks_are_spread_through_the_stack():
     plan = check_plan(QWEN_14B, H200_24GB, Options(train="lora", streamed_blocks=12, recompute=48))
     assert len(plan.streamed) == 12 and len(plan.resident) == 36
     assert all(b - a > 1 for a, b in zip(plan.streamed, plan.streamed[1:]))
+
+
+@pytest.mark.parametrize("train", ["full", "lora"])
+def test_a_plan_is_refused_on_page_locked_ram_alone(train):
+    # VRAM and host RAM are plentiful; page-locked RAM is one byte short of the least the state needs.
+    roomy = Budget(vram_bytes=1 << 40, host_bytes=1 << 40, pinned_bytes=1 << 40)
+    fixed = dict(train=train, optimizer="host", moment_dtype="float32", seq=512)
+    need = plan_memory(QWEN_1_5B, roomy, **fixed).estimate.pinned_bytes
+    tight = dataclasses.replace(roomy, pinned_bytes=need - 1)
+    plan = plan_memory(QWEN_1_5B, tight, **fixed)
+    assert not plan.fits and [name for name, _, _ in plan.overflow] == ["page-locked RAM"]
+    assert "page-locked RAM" in plan.reason and plan.reason.startswith("no plan fits")
+    assert not check_plan(QWEN_1_5B, tight, plan.options).fits
+    assert plan_memory(QWEN_1_5B, dataclasses.replace(roomy, pinned_bytes=need), **fixed).fits

@@ -268,3 +268,16 @@ def test_stream_packing_prices_the_link_the_packed_copy_and_its_staging(streamed
         (round(streamed * frozen * ratio) if train == "lora" else 0)
     with pytest.raises(ValueError, match=r"stream_packing=1.5 must be a fraction in \(0, 1\]"):
         Options(stream_packing=1.5)
+
+
+def test_machine_budget_page_locks_by_the_shared_rule(monkeypatch):
+    # The rule ts-pinned's arena probe applies (native/src/page_lock.cpp): the share of a raised memlock
+    # limit bounds page-locked RAM, whatever the host share; a small default limit does not.
+    from ts_planner import _core
+
+    monkeypatch.setattr(_core, "memlock_limit", lambda: 2 * GiB)  # as `ulimit -l` raised to 2 GiB would say
+    budget = machine_budget(vram_bytes=GiB, host_bytes=8 * GiB, processes=2)
+    assert budget.pinned_bytes == GiB == _core.page_lock_budget_bytes(16 * GiB, 0.8, 2, 2 * GiB)
+    assert machine_budget(vram_bytes=GiB, host_bytes=GiB, processes=1).pinned_bytes == int(0.8 * GiB)
+    monkeypatch.setattr(_core, "memlock_limit", lambda: 8 << 20)  # a distribution default: not a bound
+    assert machine_budget(vram_bytes=GiB, host_bytes=8 * GiB, processes=2).pinned_bytes == int(0.8 * 8 * GiB)

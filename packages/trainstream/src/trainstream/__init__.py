@@ -29,13 +29,15 @@ from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
 from .engine import transfer_stats
 from .memory import ActivationOffloader, find_blocks, quantize_model
-from .memory.plan import PlanRefused
+from .planning import Decision, Plan, PlanRefused, plan
 
 __all__ = [
     "ActivationOffloader",
+    "Decision",
     "HardwareProfile",
     "OffloadAdamW",
     "PagedKVCache",
+    "Plan",
     "PlanRefused",
     "TrainStreamSession",
     "causal_lm_loss",
@@ -45,6 +47,7 @@ __all__ = [
     "find_blocks",
     "memory_report",
     "pinned_stats",
+    "plan",
     "plot_memory",
     "profile_hardware",
     "quantize_model",

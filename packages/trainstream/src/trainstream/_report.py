@@ -71,11 +71,10 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     if session.weights is not None:
         stats = session.weights.stats()
         steps = max(session.steps, 1)
-        kept = set(stats["kept_blocks"])
-        streamed = set(stats["streamed_blocks"]) - kept
+        streamed = set(stats["streamed_blocks"])
         report["params"].update({"paged_blocks": sorted(streamed),
                                  "resident_blocks": [i for i in range(len(session.weights.blocks)) if i not in streamed],
-                                 "kept_blocks": stats["kept_blocks"], "host_bytes": stats["host_bytes"],
+                                 "host_bytes": stats["host_bytes"],
                                  "link_bytes_per_s": stats["link_bytes_per_s"],
                                  "load_bytes": stats["link_bytes"] / steps, "bounce_bytes": stats["bounce_bytes"],
                                  "peer_bytes": stats.get("peer_bytes", 0),

@@ -21,7 +21,8 @@ from .engine.slots import dense_layout_problem
 from .memory import peer
 from .memory.activations import ActivationPolicy
 from .memory.placement_trial import MappedTrial
-from .memory.plan import GiB, device_state_bytes, host_state_bytes, plan_host_memory, vram_budget
+from .memory.plan import GiB, device_state_bytes, vram_budget
+from .planning.decide import host_shares
 
 __all__ = ["TrainStreamSession"]
 
@@ -55,7 +56,7 @@ class TrainStreamSession:
     the attention chooser, ``.peer`` the peer-GPU pool (ts-peer) once set up at step 10, else None.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device, *,
+    def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device, plan, *,
                  weights=None):
         self.model = model
         self.optimizer = optimizer
@@ -74,7 +75,6 @@ class TrainStreamSession:
         self.attention = self._attention = None
         self.weights = weights  # the WeightStreamer of param_offload=, attached below
         self.host_embedding = None  # memory/host_embedding.py: the input embedding's table in host memory
-        self.residency = None  # param_offload="auto": which streamed blocks stay (follow_tokens)
         self.stalls = None  # the StallClock wrap() attaches (_stalls.py)
         self._handles: list = []
         self._hooks: list[EngineHook] = []
@@ -104,12 +104,12 @@ class TrainStreamSession:
         from . import distributed as tsd
 
         self.world = tsd.world_of(options.distributed)  # one answer for every decision below
-        own, largest = _host_shares(trained, self.world)
-        # Under data parallel every rank decides on the largest rank's share, so all choose the same moments.
-        plan = plan_host_memory([s.param for s in largest], initial, options.moment_dtype, options.check_memory)
+        own = _own_share(trained, self.world)
+        # The plan decided the moments on the largest rank's share, so every rank chose the same.
+        self.plan = plan.to_dict()
         self.moment_dtype = plan.moment_dtype
-        self.host_state_bytes = sum(host_state_bytes(s.param, initial, self.moment_dtype.itemsize) for s in own)
-        self.events.add("plan", plan.message)
+        self.host_state_bytes = plan.host_state_bytes
+        self.events.add("plan", plan.host_message)
 
         self.arena = ts_pinned.default_arena()
         # Page-lock everything now, in slabs, so no training step ever page-locks.
@@ -228,13 +228,6 @@ class TrainStreamSession:
         if not self.adapting or self.config.offload != "auto":
             return 0
         return sum(device_state_bytes(s) for s in self.engine.active if s.placement != "device" and not s.streamed)
-
-    def follow_tokens(self, residency) -> None:
-        """param_offload='auto': the streamed blocks follow the batch's real size (memory/residency.py),
-        decided before any other hook of a forward runs."""
-        self.residency = residency
-        self._model_hook(lambda hook: self.model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True),
-                         lambda _module, args, kwargs: residency.before_forward(args, kwargs))
 
     def _model_hook(self, register, fn) -> None:
         hook = EngineHook(fn)
@@ -441,18 +434,12 @@ class TrainStreamSession:
 ATTENTION_AGREE_STEPS = 3  # attention='auto' under data parallel: the steps after which ranks agree
 
 
-def _host_shares(trained: list[ParamSlot], world: int) -> tuple[list[ParamSlot], list[ParamSlot]]:
-    """(this rank's trained slots, the largest rank's): under data parallel the owners that
-    distributed.setup() assigns (the same pure rule), so host memory is planned and page-locked for
-    this rank's share only; otherwise all of them, twice."""
-    from . import distributed as tsd
-
+def _own_share(trained: list[ParamSlot], world: int) -> list[ParamSlot]:
+    """This rank's trained slots: the share planning.decide.host_shares gives it (all of them in one process)."""
     if world < 2:
-        return trained, trained
-    owners = tsd.assign_owners([s.numel * s.param.element_size() for s in trained], world)
-    shares = [[s for s, o in zip(trained, owners) if o == r] for r in range(world)]
-    largest = max(shares, key=lambda share: sum(s.numel for s in share))
-    return shares[torch.distributed.get_rank()], largest
+        return trained
+    own = {id(p) for p in host_shares([s.param for s in trained], world)[0]}
+    return [s for s in trained if id(s.param) in own]
 
 
 def _weights_fit(weights, device: torch.device) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass
 
 from . import _core
@@ -21,9 +20,10 @@ class PageLockBudget:
     "cgroup v2"); ``cgroup_limit`` is the limiting cgroup's limit (``None``: none).
 
     ``budget`` is what a caller may page-lock: ``fraction`` of available RAM, and
-    no more than the memlock limit where one applies. (The CUDA driver's own
-    allocations are usually exempt from RLIMIT_MEMLOCK, but containers and
-    cudaHostRegister are not, so the smaller value is the safe plan.)
+    no more than the memlock limit where one was raised on purpose (1 GiB or
+    more: the small distribution defaults do not bind the CUDA driver's own
+    page-locking). Containers and cudaHostRegister do honour a raised limit,
+    so the smaller value is the safe plan.
     """
 
     memlock_limit: int | None
@@ -34,18 +34,16 @@ class PageLockBudget:
     cgroup_limit: int | None = None
 
 
-def page_lock_budget(fraction: float = 0.8) -> PageLockBudget:
-    """Measures the memlock limit and available RAM (cgroup-bounded); ``fraction`` (0, 1] of it is the budget."""
+def page_lock_budget(fraction: float = 0.8, processes: int = 1) -> PageLockBudget:
+    """Measures the memlock limit and available RAM (cgroup-bounded); the budget is ``fraction`` (0, 1] of
+    this process's share of it (``processes`` on the machine split it evenly), by the rule every core shares
+    (``_core.page_lock_budget_bytes``, native/src/page_lock.cpp)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes={processes!r} must be an integer >= 1")
+    memlock = _core.memlock_limit()
     info = _core.host_memory()
     available = info["available"]
-    budget = int(available * fraction)
-    # A tiny default memlock (64 KiB) means the limit is not enforced for the
-    # CUDA driver's allocations in practice; only a deliberately raised limit
-    # is a real plan bound.
-    if memlock is not None and memlock >= (1 << 30):
-        budget = min(budget, memlock)
+    budget = _core.page_lock_budget_bytes(available, fraction, processes, memlock)
     return PageLockBudget(memlock, available, info["total"], budget, info["source"], info["cgroup_limit"])

@@ -45,7 +45,7 @@ def block_saved_tensors(shape: ModelShape, batch: int, seq: int, *, train: str =
     if train not in ("full", "lora", "frozen"):
         raise ValueError(f"train={train!r} is not valid; use 'full', 'lora' or 'frozen'")
     a, ad = DTYPE_BYTES[dtype], DTYPE_BYTES[adapter_dtype]
-    h, i, d = shape.hidden_size, shape.intermediate_size, shape.dim_per_head
+    h, i, d = shape.hidden_size, shape.mlp_width, shape.dim_per_head
     tokens = batch * seq
     out: list[tuple[str, int]] = []
     args = dict(tokens=tokens, a=a, train=train, rank=lora_rank, targets=tuple(lora_targets), adapter=ad,
@@ -89,5 +89,5 @@ def block_backward_bytes(shape: ModelShape, batch: int, seq: int, dtype: str = "
     (three I-wide), of the fp32 norm, and of q/k/v with the attention's own (an estimate, not measured)."""
     a = DTYPE_BYTES[dtype]
     tokens = batch * seq
-    return tokens * (3 * shape.intermediate_size * a + 2 * shape.hidden_size * 4
+    return tokens * (3 * shape.mlp_width * a + 2 * shape.hidden_size * 4
                      + 2 * (shape.q_dim + 2 * shape.kv_dim) * a)

@@ -4,7 +4,6 @@ price a plan, given or read from this machine."""
 from __future__ import annotations
 
 import dataclasses
-import resource
 
 from ._local import local_process_count
 
@@ -48,13 +47,6 @@ class Budget:
         return int(self.vram_bytes * (1.0 - self.headroom))
 
 
-def _memlock() -> int | None:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    # A small default limit (64 KiB, 8 MiB) is not applied to the CUDA driver's page-locking in practice;
-    # only a deliberately raised one bounds a plan (as ts-pinned's page_lock_budget does).
-    return None if soft == resource.RLIM_INFINITY or soft < GiB else int(soft)
-
-
 def machine_budget(device=None, *, vram_bytes: int | None = None, host_bytes: int | None = None,
                    processes: int | None = None, profile=None, pin_fraction: float = 0.8,
                    headroom: float = 0.05) -> Budget:
@@ -62,7 +54,8 @@ def machine_budget(device=None, *, vram_bytes: int | None = None, host_bytes: in
     ``torch.cuda.set_per_process_memory_fraction`` (``vram_bytes`` overrides; no GPU and no override is a
     RuntimeError). Host: available RAM bounded by the cgroup limit (``host_bytes`` overrides), split between
     the ``processes`` on this machine (default ``local_process_count()``: LOCAL_WORLD_SIZE). Page-locked:
-    ``pin_fraction`` of the host share, at most a raised memlock limit. Rates from ``profile`` (a
+    ``pin_fraction`` of the host share, at most its share of a raised memlock limit
+    (the rule ts-pinned's ``page_lock_budget`` applies). Rates from ``profile`` (a
     ``HardwareProfile``, trainstream's adds host AdamW and matmul rates) when given, else defaults."""
     from . import _core
 
@@ -87,10 +80,9 @@ def machine_budget(device=None, *, vram_bytes: int | None = None, host_bytes: in
     if host_bytes is None:
         info = _core.host_memory()
         host_bytes, source = int(info["available"]) // n, str(info["source"])
-    pinned = int(host_bytes * pin_fraction)
-    limit = _memlock()
-    if limit is not None:
-        pinned = min(pinned, limit // n)
+    # The page-lock rule ts-pinned's arena applies too (native/src/page_lock.cpp): fraction of the share,
+    # at most the share of a deliberately raised memlock limit. host_bytes is this process's share already.
+    pinned = _core.page_lock_budget_bytes(int(host_bytes) * n, pin_fraction, n, _core.memlock_limit())
     rates = {}
     if profile is not None:
         if getattr(profile, "link_h2d_gbps", None):

@@ -7,7 +7,7 @@ import dataclasses
 
 from ._budget import Budget
 from ._memory import MemoryEstimate, Options, estimate_memory
-from ._planner import _spread_order
+from ._planner import spread_order
 from ._shape import LORA_TARGETS, ModelShape
 
 __all__ = ["Plan", "check_plan", "plan_memory"]
@@ -71,7 +71,7 @@ class Plan:
         """Indices of the blocks whose weights stream from host RAM: spread through the stack, as
         plan_residency spreads them."""
         layers = self.shape.num_hidden_layers
-        return tuple(sorted(_spread_order(layers)[:self.options.streamed_blocks]))
+        return tuple(sorted(spread_order(layers)[:self.options.streamed_blocks]))
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -128,7 +128,12 @@ class Plan:
         return "\n".join(lines)
 
 
+# The budgets _overflow names, by the part of the search that can change them.
+_PARTS = {"vram": ("VRAM",), "host": ("host RAM", "page-locked RAM")}
+
+
 def _overflow(e: MemoryEstimate, budget: Budget) -> tuple[tuple[str, str, int], ...]:
+    """The fit rule, the only one: (budget, its largest category, bytes over) for each budget `e` exceeds."""
     def largest(parts: dict, skip=()) -> str:
         return max((k for k in parts if k not in skip), key=lambda k: parts[k])
 
@@ -284,11 +289,10 @@ class _Search:
         self.fixed_acts, self.methods, self.combos = fixed_acts, methods, combos
 
     def _fits(self, options, part: str) -> bool:
-        e = estimate_memory(self.shape, options)
-        if part == "vram":
-            return e.allocator_bytes <= self.budget.usable_vram and (
-                self.budget.device_bytes is None or e.device_bytes <= self.budget.device_bytes)
-        return e.host_bytes <= self.budget.host_bytes and e.pinned_bytes <= self.budget.pinned_bytes
+        """Whether `options` fit the budget's VRAM (``part="vram"``) or host side: the refusal's own rule
+        (_overflow), so the search and check_plan never disagree on what fits."""
+        names = _PARTS[part]
+        return not any(name in names for name, _, _ in _overflow(estimate_memory(self.shape, options), self.budget))
 
     def _least(self, low: int, high: int, ok) -> int | None:
         """Least x in [low, high] with ok(x), for ok false-then-true from `low + 1` on (x = low checked alone)."""

@@ -149,12 +149,12 @@ class MemoryEstimate:
 def _block_weights(shape: ModelShape, o: Options) -> tuple[int, int, int, int]:
     """One block: (trained values, trained bytes, frozen bytes on the device, matmul values)."""
     a, ad = DTYPE_BYTES[o.dtype], DTYPE_BYTES[o.adapter_dtype]
-    linears = shape.linears()
-    matmul = sum(i * j for i, j, _ in linears.values())
+    matmul = sum(i * j for i, j, _ in shape.linears().values())  # per token: the experts it takes
     if o.train == "full":
         return shape.block_params, shape.block_params * a, 0, matmul
-    adapters = sum(o.lora_rank * (i + j) for name, (i, j, _) in linears.items() if name in o.lora_targets)
-    frozen = sum(weight_bytes(j, i, o.quantize, a) + (j * a if bias else 0) for i, j, bias in linears.values())
+    stored = shape.weight_linears()  # every expert's weights, trained or not
+    adapters = sum(n * o.lora_rank * (i + j) for name, i, j, _, n in stored if name in o.lora_targets)
+    frozen = sum(n * (weight_bytes(j, i, o.quantize, a) + (j * a if bias else 0)) for _, i, j, bias, n in stored)
     return adapters, adapters * ad, frozen + 2 * shape.hidden_size * a, matmul
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Block", "ResidencyPlan", "plan_residency"]
+__all__ = ["Block", "ResidencyPlan", "plan_residency", "spread_order"]
 
 GiB = float(1 << 30)
 
@@ -39,10 +39,11 @@ class ResidencyPlan:
         return self.link_bytes_per_step / (gbps * 1e9)
 
 
-def _spread_order(n: int) -> list[int]:
+def spread_order(n: int) -> list[int]:
     """Block indices in the order they should start streaming: the bit-reversal permutation of
     the next power of two, restricted to [0, n). Every prefix is spread through the stack (the
-    first m of 2^k land on every (2^k/m)-th block) and a longer prefix contains a shorter one."""
+    first m of 2^k land on every (2^k/m)-th block) and a longer prefix contains a shorter one. The one
+    order of streamed blocks: the planner prices its first m, trainstream's runtime streams those m."""
     bits = max(1, (n - 1).bit_length())
     reverse = (int(f"{i:0{bits}b}"[::-1], 2) for i in range(1 << bits))
     return [i for i in reverse if i < n]
@@ -58,7 +59,7 @@ def plan_residency(blocks: Sequence[Block], vram_budget: int, host_budget: int) 
     for i, b in enumerate(blocks):
         if not isinstance(b, Block) or b.weight_bytes < 0:
             raise ValueError(f"block {i} must be a Block with weight_bytes >= 0, got {b!r}")
-    stream_rank = {index: rank for rank, index in enumerate(_spread_order(len(blocks)))}
+    stream_rank = {index: rank for rank, index in enumerate(spread_order(len(blocks)))}
     # Keep the smallest first; among equals, keep last what should stream first.
     keep_order = sorted(range(len(blocks)), key=lambda i: (blocks[i].weight_bytes, -stream_rank[i]))
     resident, used = [], 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+import ts_planner
 
 from ..engine.hooks import EngineHook
 from .autotune import ActivationTuner, CudaMeter, Meter
@@ -20,7 +21,7 @@ from .offload import ActivationOffloader
 from .recompute import Recompute, uses_hf_checkpointing
 from .tuner import Choice
 
-__all__ = ["ActivationPolicy", "blocks_of", "check_block_choice", "check_param_offload"]
+__all__ = ["ActivationPolicy", "blocks_of", "check_block_choice", "check_param_offload", "streamed_blocks_of"]
 
 
 def check_block_choice(name: str, value):
@@ -48,6 +49,14 @@ def check_param_offload(value):
     except ValueError:
         raise ValueError(f"param_offload={value!r} is not valid; use 'auto', True, False, a fraction in [0, 1] or a "
                          f"list of distinct block indices >= 0") from None
+
+
+def streamed_blocks_of(value, count: int) -> list[int]:
+    """The blocks a checked param_offload= value streams. A fraction streams the first blocks of
+    ts_planner.spread_order, the blocks the plan prices for that many; listed indices stream as listed."""
+    if isinstance(value, float):
+        return sorted(ts_planner.spread_order(count)[:round(value * count)])
+    return _blocks_of("param_offload", value, count)
 
 
 def blocks_of(name: str, value, count: int) -> list[int]:

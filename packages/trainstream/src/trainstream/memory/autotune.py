@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+import ts_planner
 
 from .plan import GiB, PlanRefused, vram_budget
 from .tuner import Choice, Measured, choose, trial_candidates
@@ -98,7 +99,7 @@ class Meter:
         if self._host is not None:
             return self._host
         import ts_pinned
-        return ts_pinned.page_lock_budget().budget
+        return ts_pinned.page_lock_budget(processes=ts_planner.local_process_count()).budget
 
 
 class CudaMeter(Meter):
@@ -143,7 +144,7 @@ class CudaMeter(Meter):
 
     def host_bytes(self) -> int:
         import ts_pinned
-        budget = ts_pinned.page_lock_budget().budget
+        budget = ts_pinned.page_lock_budget(processes=ts_planner.local_process_count()).budget
         stats = ts_pinned.default_arena().stats()
         return max(0, budget - stats["arena_bytes"] + (stats["arena_bytes"] - stats["arena_used"]))
 

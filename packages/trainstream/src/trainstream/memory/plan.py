@@ -52,7 +52,7 @@ def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: s
     machine = ts_pinned.page_lock_budget()
     # Processes launched together on one machine (torchrun, Slurm) share its RAM: each plans with 1/n.
     local = ts_planner.local_process_count()
-    budget = dataclasses.replace(machine, budget=machine.budget // local) if local > 1 else machine
+    budget = ts_pinned.page_lock_budget(processes=local) if local > 1 else machine
     needs = {
         name: sum(host_state_bytes(p, placement, size) for p in params)
         for name, size in (("float32", 4), ("bfloat16", 2))

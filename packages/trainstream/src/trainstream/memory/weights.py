@@ -42,10 +42,7 @@ Invariants:
      The host never writes a host copy while a copy from it is in flight: the worker waits for the
      block's newest fetch (the slot's ``upload_event``). A weight written in place while resident (a
      user edit: its version moves) is copied back to the host before the device copy is dropped.
-  6. A *kept* block (``keep``) stays on the GPU once fetched: outside the LRU and its capacity, never
-     evicted but by ``keep`` (a new set), ``evict_all`` or removal. Only blocks whose trained weights
-     do not stream can be kept (a streamed trained weight's update reaches the GPU by its next fetch).
-  7. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
+  6. Under data parallel with several ranks on a machine (``shared``), the host copies of all streamed
      blocks are one shared-memory region per machine (``shared_host``), filled once by the machine's
      lowest rank and never written by a fetch; each process page-locks its mapping for itself.
      (``load_state_dict`` writes it from every rank: the same values, as every rank loads the same state.)
@@ -112,8 +109,6 @@ class WeightStreamer:
         self.streamed = {i: b for i, b in blocks_.items() if b.params}
         self.capacity = self.prefetch_depth + 2  # resident blocks at most
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # resident streaming blocks
-        self.kept: set[int] = set()  # blocks that stay resident once fetched (invariant 6)
-        self._kept_resident: set[int] = set()  # the kept blocks fetched so far
         self._freeing: collections.deque = collections.deque()  # compute-stream events after evictions
         self._current: int | None = None
         # (block, direction) whose next blocks its use() prefetched; any eviction clears it. Another use() of
@@ -313,13 +308,10 @@ class WeightStreamer:
         if self.channel.is_cuda and not b.used:
             b.device.record_stream(torch.cuda.current_stream(self.device))  # invariant 2
             b.used = True
-            if index in self.kept:
-                b.ready = None  # the compute stream is ordered after its one copy from now on
         key = (index, 1 if ahead > 0 else -1)
         if key == self._prefetched_after:
             return
-        streaming = [i for i in self.streamed if i not in self.kept]
-        order = sorted(streaming) if ahead > 0 else sorted(streaming, reverse=True)
+        order = sorted(self.streamed) if ahead > 0 else sorted(self.streamed, reverse=True)
         later = [i for i in order if (i > index if ahead > 0 else i < index)][: self.prefetch_depth]
         for i in later:
             if i not in self._lru:
@@ -335,14 +327,12 @@ class WeightStreamer:
             p.data = self._view(b.device if device else b.host, offset, p)
 
     def _fetch(self, index: int) -> None:
-        if index in self._kept_resident:
-            return
         if index in self._lru:
             if index not in self._stale or torch._C._current_graph_task_id() >= 0:  # never in backward: inv. 5
                 self._lru.move_to_end(index)
                 return
             self._evict(index)
-        while index not in self.kept and len(self._lru) >= self.capacity:
+        while len(self._lru) >= self.capacity:
             victim = next((i for i in self._lru if i != self._current), None)
             if victim is None:
                 break
@@ -372,11 +362,8 @@ class WeightStreamer:
         b.versions = [p._version for _m, _n, p in b.trained_params]
         self._point(b, device=True)
         self.channel.stats.count("h2d", b.nbytes)
-        if index in self.kept:
-            self._kept_resident.add(index)
-        else:
-            self._lru[index] = None
-            self.peak_resident = max(self.peak_resident, len(self._lru))
+        self._lru[index] = None
+        self.peak_resident = max(self.peak_resident, len(self._lru))
         self.counters["fetches"] += 1
         self.counters["h2d_bytes"] += b.nbytes
         self.counters["link_bytes"] += moved
@@ -408,7 +395,6 @@ class WeightStreamer:
             freed.record(torch.cuda.current_stream(self.device))
             self._freeing.append(freed)
         self._lru.pop(index, None)
-        self._kept_resident.discard(index)
         self._prefetched_after = None
         self.counters["evictions"] += 1
 
@@ -442,30 +428,8 @@ class WeightStreamer:
             torch.cuda.synchronize(self.device)
 
     def evict_all(self) -> None:
-        for index in [*self._lru, *self._kept_resident]:
+        for index in list(self._lru):
             self._evict(index)
-
-    def keepable(self) -> list[int]:
-        """The streamed blocks ``keep`` accepts (invariant 6)."""
-        return [i for i, b in self.streamed.items() if not b.trained]
-
-    def keep(self, indices) -> list[int]:
-        """From now on the blocks in `indices` stay on the GPU once fetched, and the other streamed blocks
-        stream (param_offload='auto': the plan at the batch's real tokens found room for them). Between
-        steps. Returns the kept blocks; a block ``keepable`` leaves out is refused."""
-        wanted = set(indices)
-        refused = wanted - set(self.keepable())
-        if refused:
-            raise ValueError(f"blocks {sorted(refused)} cannot be kept resident: not streamed, or their trained "
-                             f"weights stream (their updates reach the GPU by the next fetch)")
-        for index in [i for i in self._kept_resident if i not in wanted]:
-            self._evict(index)  # streams again from its next use
-        for index in [i for i in self._lru if i in wanted]:
-            del self._lru[index]
-            self._kept_resident.add(index)
-        self.kept = wanted
-        self._prefetched_after = None  # the blocks that stream, and so the prefetched ones, changed
-        return sorted(wanted)
 
     def check_load(self, model: torch.nn.Module, state_dict: dict, prefix: str) -> None:
         """Before ``load_state_dict`` changes anything: a streamed quantized weight may take new values,
@@ -525,7 +489,7 @@ class WeightStreamer:
         if t.device != self.device:
             return False
         ptr = t.data_ptr()
-        for i in [*self._lru, *self._kept_resident]:
+        for i in list(self._lru):
             base = self.streamed[i].device
             if base.data_ptr() <= ptr < base.data_ptr() + self.streamed[i].nbytes:
                 return True
@@ -557,14 +521,14 @@ class WeightStreamer:
 
     def h2d_bytes_per_pass(self) -> int:
         """Host->device bytes the streamed blocks move in one pass over the stack, in steady state: every
-        block not kept is fetched for forward and again for backward (a recomputed block's forward runs on
+        block is fetched for forward and again for backward (a recomputed block's forward runs on
         backward's fetch), except the ``capacity`` blocks a pass's end leaves resident for the next pass's
         start (backward begins where forward ended, the next forward where backward ended)."""
-        sizes = sorted(self.source.link_bytes(i, b.nbytes) for i, b in self.streamed.items() if i not in self.kept)
+        sizes = sorted(self.source.link_bytes(i, b.nbytes) for i, b in self.streamed.items())
         return sum(sizes[:max(0, len(sizes) - self.capacity)])
 
     def stats(self) -> dict:
-        resident = sum(self.streamed[i].nbytes for i in [*self._lru, *self._kept_resident])
+        resident = sum(self.streamed[i].nbytes for i in list(self._lru))
         return {**self.counters, **self.source.stats(), "source": self.source.kind,
                 "streamed_blocks": sorted(self.streamed), "host_bytes": self.host_bytes(),
                 "trained_blocks": self.trained_blocks, "trained_bytes": self.trained_bytes(),
@@ -573,7 +537,6 @@ class WeightStreamer:
                 "host_owner": self.region is None or self.region.leader,
                 "local_ranks": self.region.local_ranks if self.region is not None else 1,
                 "shared": self.shared_message,
-                "kept_blocks": sorted(self.kept),
-                "resident_blocks": len(self._lru) + len(self._kept_resident), "peak_resident_blocks": self.peak_resident,
+                "resident_blocks": len(self._lru), "peak_resident_blocks": self.peak_resident,
                 "link_bytes_per_s": self.copy_timer.rate(),
                 "device_bytes": resident}

@@ -1,0 +1,377 @@
+"""plan(): every automatic decision of wrap(), made once, before anything changes.
+
+Reads the model (shapes, dtypes, what trains), the options and this machine's budget; allocates
+nothing, moves nothing, starts no thread. Each "auto" option is settled by one rule here, in this
+order, each step reading only what the steps before it settled:
+
+  1. the training device;
+  2. host_embedding: the input embedding's table stays in host memory (a GPU run with a candidate);
+  3. moment_dtype: fp32 moments where the optimizer state fits the page-lock budget, else bf16
+     (``memory.plan.plan_host_memory``; under data parallel the largest rank's share);
+  4. param_offload: which blocks stream (the fewest with which the plan fits, in ts-planner's spread
+     order), and the quantization that implies when nothing fits resident;
+  5. stream_packing: streamed bf16 weights cross the link packed, where host RAM holds both copies;
+  6. quantize: the least format the memory plan fits.
+
+A run that cannot fit is refused here (PlanRefused, a MemoryError) with the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import torch
+import ts_planner
+
+from .._dropped import collect_dropped
+from .._options import WrapOptions, parse_options
+from ..memory.activations import blocks_of, streamed_blocks_of
+from ..memory.blocks import find_blocks
+from ..memory.host_embedding import host_embedding_candidate
+from ..memory.lora_inputs import eligible_layers
+from ..memory.plan import (
+    PLAN_BATCH,
+    PLAN_SEQ,
+    PlanRefused,
+    WrapPlan,
+    describe_model,
+    host_state_bytes,
+    plan_host_memory,
+    plan_wrap,
+    vram_budget,
+    wrap_budget,
+)
+from ..memory.quantize import choose_quantize
+from ..memory.streamed_block import frozen_params_of, nbytes_of, streams_trained, trained_params_of
+from .plan import Decision, Plan, fingerprint
+
+__all__ = ["decide", "plan", "training_device"]
+
+
+def plan(model: torch.nn.Module, optimizer=None, **options) -> Plan:
+    """Every decision ``wrap(model, optimizer, **options)`` would make, as a frozen Plan, without
+    changing anything. ``wrap(model, optimizer, plan=...)`` then applies it. PlanRefused (a MemoryError)
+    when the run cannot fit, ValueError for bad options."""
+    from .._optimizer import OffloadAdamW
+
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"plan() takes a torch.nn.Module, not {type(model).__name__}")
+    if isinstance(optimizer, OffloadAdamW):
+        options = {**optimizer.wrap_options, **options}
+    return decide(model, optimizer, parse_options(options))
+
+
+def training_device(model: torch.nn.Module, requested: torch.device | None) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if requested is not None:
+        if requested.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={str(requested)!r} was requested but CUDA is not available "
+                             f"(torch {torch.__version__}); use device='cpu' or install a CUDA build of torch")
+        return requested
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+                         "move it to one, or pass device=")
+    return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
+    """The plan for validated options (``opts`` is read, never changed)."""
+    device = training_device(model, opts.device)
+    notes = []
+    dropped = collect_dropped(device)  # before anything is measured: what dropped models still held
+    if dropped:
+        notes.append(("memory", dropped))
+    decisions = []
+    embedding_on, why = _host_embedding(model, device, opts)
+    if opts.host_embedding == "auto":
+        decisions.append(Decision("host_embedding", embedding_on, why))
+    opts = dataclasses.replace(opts, host_embedding=embedding_on)
+
+    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    # Given blocks are checked first: a refusal of what cannot stream names the option, not a budget.
+    streamed = _streamed_blocks(model, opts, blocks) if opts.param_offload != "auto" else None
+
+    host = _moment_plan(model, optimizer, opts, device)
+    if opts.moment_dtype == "auto":
+        decisions.append(Decision("moment_dtype", _dtype_name(host.moment_dtype), host.message))
+    moments = _dtype_name(host.moment_dtype)
+
+    facts = describe_model(model, blocks)
+    inputs = (blocks, facts, wrap_budget(device, opts, facts))
+    if streamed is None:
+        offload, why, implied = _auto_param_offload(opts, inputs, moments)
+        decisions.append(Decision("param_offload", offload, why))
+        opts = dataclasses.replace(opts, param_offload=offload, quantize=implied or opts.quantize)
+        streamed = _streamed_blocks(model, opts, blocks)
+
+    memory, packing = _memory_plan(device, opts, inputs, streamed, moments)
+    if opts.stream_packing == "auto" and streamed:
+        decisions.append(Decision("stream_packing", packing, "host RAM holds the packed copies beside the plain ones"
+                                  if packing else "host RAM does not hold packed copies beside the plain ones"))
+    opts = dataclasses.replace(opts, stream_packing=packing)
+
+    if streamed and opts.quantize == "auto":
+        fmt, why = None, "auto: param_offload streams the weights as they are stored, so none are quantized"
+    else:
+        fmt, why = _quantize_decision(model, device, opts, memory)
+    if why:
+        decisions.append(Decision("quantize", fmt, why))
+    resolved = dataclasses.replace(opts, quantize=fmt)
+    return Plan(device=device, streamed_blocks=tuple(streamed), quantize=fmt, moment_dtype=host.moment_dtype,
+                memory=memory, host_message=host.message, host_state_bytes=host.needed_own,
+                decisions=tuple(decisions), notes=tuple(notes), resolved=tuple(resolved.as_dict().items()),
+                made_for=fingerprint(model, optimizer))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- 2. host_embedding ---------------------------------------------------------------------------
+
+def _host_embedding(model: torch.nn.Module, device: torch.device, opts) -> tuple[bool, str]:
+    """(whether the embedding's table stays in host memory, why); True that cannot apply is refused."""
+    embedding, why = host_embedding_candidate(model)
+    if device.type != "cuda":
+        embedding, why = None, "the model trains on the CPU, where it is in host memory already"
+    if opts.host_embedding is True and embedding is None:
+        raise ValueError(f"host_embedding=True cannot apply: {why}; use 'auto' or False")
+    if opts.host_embedding is False:
+        return False, "off"
+    return embedding is not None, why if embedding is None else "the input embedding's table stays in host memory"
+
+
+# ---- 3. moment_dtype -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _HostState:
+    moment_dtype: torch.dtype
+    needed_own: int  # this rank's page-locked bytes
+    message: str
+
+
+def trained_params(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
+    """The parameters the engine will train, in its slot order (the optimizer's groups, or the model's
+    trainable parameters when there is no optimizer, as wrap() makes one)."""
+    if optimizer is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
+    """The moment dtype: the one rule (plan_host_memory) over the largest rank's share of the trained
+    parameters; PlanRefused (check_memory) when even that share's state does not fit page-locked RAM."""
+    from .. import distributed as tsd
+
+    if opts.optimizer_mode == "gpu" and device.type != "cuda":
+        raise ValueError("optimizer_mode='gpu' needs a CUDA device; use 'cpu' or 'auto'")
+    placement = "mapped" if opts.optimizer_mode == "gpu" else "host"
+    params = trained_params(model, optimizer)
+    own, largest = host_shares(params, tsd.world_of(opts.distributed))
+    try:
+        host = plan_host_memory(largest, placement, opts.moment_dtype, opts.check_memory)
+    except MemoryError as error:
+        raise PlanRefused(str(error)) from None
+    needed = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)
+    return _HostState(host.moment_dtype, needed, host.message)
+
+
+def host_shares(params: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(this rank's trained parameters, the largest rank's): under data parallel the owners that
+    distributed.setup() assigns (the same pure rule), so host memory is planned and page-locked for
+    this rank's share only; otherwise all of them, twice."""
+    from .. import distributed as tsd
+
+    if world < 2:
+        return params, params
+    owners = tsd.assign_owners([p.numel() * p.element_size() for p in params], world)
+    shares = [[p for p, o in zip(params, owners) if o == r] for r in range(world)]
+    largest = max(shares, key=lambda share: sum(p.numel() for p in share))
+    return shares[torch.distributed.get_rank()], largest
+
+
+# ---- 4. param_offload ----------------------------------------------------------------------------
+
+def _streamed_blocks(model: torch.nn.Module, opts, blocks: list) -> list[int]:
+    """The blocks param_offload= streams (blocks without weights to stream are left out), checked."""
+    if opts.param_offload is False:
+        return []
+    if not blocks:
+        raise ValueError("param_offload= needs the model's repeated blocks, and find_blocks() found none: "
+                         "pass blocks=[...]")
+    chosen = [i for i in streamed_blocks_of(opts.param_offload, len(blocks)) if _stream_params(blocks[i])]
+    trained = [i for i in chosen if streams_trained(blocks[i], None)]
+    if trained:
+        why = _why_trained_cannot_stream(opts)
+        if why:
+            raise ValueError(f"param_offload would stream the trained weights of {len(trained)} blocks "
+                             f"(a full fine-tune: they are most of those blocks' bytes), which needs {why}. Use "
+                             f"param_offload=False (or fewer blocks), or train LoRA adapters")
+    return chosen
+
+
+def _stream_params(block: torch.nn.Module) -> list:
+    """What a streamed block carries: its frozen weights, and its trained ones where they are most of it."""
+    return frozen_params_of(block) + (trained_params_of(block) if streams_trained(block, None) else [])
+
+
+def _why_trained_cannot_stream(opts) -> str | None:
+    """None when streamed trained weights can train with these options, else what they need: their
+    AdamW runs on host threads and writes the host copy a fetch reads (one process owns it)."""
+    from .. import distributed as tsd
+
+    if opts.optimizer_mode == "gpu":
+        return "the optimizer on host threads, not optimizer_mode='gpu' (use 'cpu' or 'auto')"
+    if tsd.world_of(opts.distributed) > 1:
+        return "one process: under data parallel every rank would write its machine's one host copy"
+    return None
+
+
+def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, str, str | None]:
+    """param_offload='auto': (the blocks to stream, why, the quantization it implies or None): the
+    fewest blocks with which the plan fits (spread through the stack in ts-planner's order), with the
+    weights as ``quantize`` stores them. With quantize='auto': ``prefer="exact"`` streams the exact
+    weights when that fits and quantizes nothing; ``prefer="speed"`` (or exact weights that do not fit
+    even streamed) streams nothing while some quantization fits resident (the faster way to fit), else
+    NF4 codes stream."""
+    blocks, facts, budget = inputs
+    if facts.shape is None or not blocks:
+        return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
+    activations = _activations(opts, len(blocks))
+
+    def fewest(fmt):
+        return _fewest_streamed(inputs, opts, fmt, moments)
+
+    fmt, implied, note, plan = opts.quantize, None, "", None
+    if fmt == "auto" and opts.prefer == "exact":
+        exact = fewest(None)
+        if exact.plan is not None and exact.plan.fits:
+            fmt, plan = None, exact
+            note = " (prefer='exact': the exact weights stream rather than quantized ones; prefer='speed' quantizes first)"
+        else:
+            note = " (prefer='exact': even with every block streamed the exact weights do not fit, so they are quantized)"
+    if fmt == "auto":
+        resident = plan_wrap(facts, budget, quantize="auto", moment_dtype=moments, activations=activations,
+                             streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts))
+        if resident.plan is not None and resident.plan.fits:
+            return False, ("param_offload='auto': none stream, quantize='auto' fits the weights"
+                           + (note or " (prefer='speed'; pass quantize=None to stream exact weights instead)")), None
+        fmt = implied = "nf4"  # nothing fits resident: the smallest codes stream
+    if plan is None:
+        plan = fewest(fmt)
+    chosen = list(plan.plan.streamed) if plan.plan is not None else []
+    stored = "as stored" if fmt is None else f"as {fmt} codes"
+    if not chosen:
+        return False, f"param_offload='auto': none stream ({plan.message})", None
+    if not plan.plan.fits:
+        return chosen, (f"param_offload='auto': all {len(blocks)} blocks stream {stored} and the plan's tokens still "
+                        f"do not fit: the activation policy finds what does{note} ({plan.message})"), implied
+    return chosen, (f"param_offload='auto': {len(chosen)} of {len(blocks)} blocks stream {stored}, the fewest with "
+                    f"which the plan fits" + (" (quantize='auto': no quantization fits with every block resident)"
+                                              if implied else "") + f"{note} ({plan.message})"), implied
+
+
+def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_SEQ)) -> WrapPlan:
+    """The plan with the fewest streamed blocks that fits `tokens` with the weights stored as `fmt` (the
+    plan with all of them streamed when none does)."""
+    blocks, facts, budget = inputs
+    activations = _activations(opts, len(blocks))
+    frozen = sum(nbytes_of(frozen_params_of(b)) for b in blocks)
+    shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
+    for count in range(len(blocks) + 1):
+        plan = plan_wrap(facts, budget, quantize=fmt, moment_dtype=moments, activations=activations,
+                         streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
+                         compact_lora_inputs=_compact_lora_inputs(opts, blocks),
+                         stream_packing=opts.stream_packing is not False,
+                         embedding_on_host=_embedding_on_host(opts, facts))
+        if plan.plan is not None and plan.plan.fits:
+            break
+    return plan
+
+
+# ---- 5. the memory plan and stream_packing -------------------------------------------------------
+
+def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moments: str) -> tuple[WrapPlan, bool]:
+    """(ts-planner's plan for these options, stream_packing settled); PlanRefused (check_memory=True)
+    when even one token per step does not fit."""
+    blocks, facts, budget = inputs
+    auto = opts.quantize == "auto"
+    quantize = ("auto" if device.type == "cuda" and not streamed else None) if auto else opts.quantize
+    host_bytes = sum(nbytes_of(_stream_params(blocks[i])) for i in streamed)
+    shared_by = _streamed_shared_by(opts, host_bytes) if streamed else 1
+
+    def planned(packing: bool) -> WrapPlan:
+        return plan_wrap(facts, budget, quantize=quantize, moment_dtype=moments,
+                         activations=_activations(opts, len(blocks)), streamed_blocks=len(streamed),
+                         streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
+                         stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts))
+
+    packing = opts.stream_packing is not False
+    plan = planned(packing)
+    if opts.stream_packing == "auto":  # packed copies live beside the plain ones: only where host RAM has room
+        unpacked = planned(False) if streamed and not plan.fits else None
+        packing = not (unpacked is not None and unpacked.fits)
+        plan = unpacked if unpacked is not None and unpacked.fits else plan
+    if not plan.fits and opts.check_memory:
+        raise PlanRefused(plan.message)
+    return plan, packing
+
+
+def _embedding_on_host(opts, facts) -> bool:
+    """What the plan prices: the embedding in host memory (ts-planner models a LoRA run's untied one) once
+    host_embedding is settled to True."""
+    shape = facts.shape
+    return opts.host_embedding is True and facts.train == "lora" and shape is not None and not shape.tie_word_embeddings
+
+
+def _compact_lora_inputs(opts, blocks) -> bool:
+    """Whether the plan prices LoRA inputs saved compact: as ActivationPolicy applies the option."""
+    if opts.compact_lora_inputs == "auto":
+        return bool(eligible_layers(blocks))
+    return opts.compact_lora_inputs
+
+
+def _streamed_shared_by(opts, nbytes: int) -> int:
+    """How many processes of this machine will map one host copy of ``nbytes`` of streamed weights, as
+    WeightStreamer shares them (memory/shared_host.py): the local ranks under data parallel when
+    /dev/shm has room for the copy, else 1 (private copies)."""
+    from .. import distributed as tsd
+    from ..memory import shared_host
+
+    world = tsd.world_of(opts.distributed)
+    if world < 2 or nbytes <= 0:
+        return 1
+    try:
+        room = shutil.disk_usage(shared_host.SHM_DIR).free
+    except OSError:
+        return 1
+    return max(1, min(ts_planner.local_process_count(), world)) if room >= nbytes else 1
+
+
+def _activations(opts, count: int):
+    """The planner's activations for wrap()'s activation_offload= / recompute= ("auto" while either is)."""
+    if "auto" in (opts.activation_offload, opts.recompute) or count == 0:
+        return "auto"
+    page = set(blocks_of("activation_offload", opts.activation_offload, count))
+    recompute = set(blocks_of("recompute", opts.recompute, count)) - page
+    if opts.recompute_variant == "selective":  # it keeps the matmul outputs: priced as kept (an upper bound)
+        recompute = set()
+    return (count - len(page) - len(recompute), len(page), len(recompute))
+
+
+# ---- 6. quantize ---------------------------------------------------------------------------------
+
+def _quantize_decision(model: torch.nn.Module, device: torch.device, opts,
+                       plan: WrapPlan | None = None) -> tuple[str | None, str | None]:
+    """(format or None, why) for wrap()'s quantize option; "auto" takes the plan's choice, or without a
+    decoder shape measures the weights against the VRAM."""
+    if opts.quantize != "auto":
+        return opts.quantize, None
+    if device.type != "cuda":
+        return None, "auto: training on the CPU, no VRAM to fit; weights stay as they are"
+    if plan is not None and plan.plan is not None:
+        return plan.quantize, ("auto: " + ("none needed" if plan.quantize is None else
+                                           f"{plan.quantize}: the least quantization the plan fits"))
+    fmt, why = choose_quantize(model, vram_budget(device, opts.vram_headroom))
+    return fmt, f"auto: {why}"
