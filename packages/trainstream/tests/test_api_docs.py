@@ -18,7 +18,7 @@ import sys
 
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "api.md"
 # Every package whose public names docs/api.md lists.
-MODULES = ("trainstream", "trainstream.integrations.huggingface", "trainstream.integrations.trl", "ts_pinned", "ts_adamw",
+MODULES = ("trainstream", "trainstream.prototype", "trainstream.integrations.huggingface", "trainstream.integrations.trl", "ts_pinned", "ts_adamw",
            "ts_quant", "ts_planner", "ts_kvcache", "ts_peer")
 # Members the reference documents by name: their rows must exist.
 REQUIRED_MEMBERS = {

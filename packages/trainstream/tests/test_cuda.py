@@ -396,7 +396,7 @@ def test_streamed_frozen_weights_are_bit_exact_and_stay_off_the_gpu(options):
     try:
         data = batches(4, vocab=4096, batch=2, seq=256)
         runs = {}
-        for name, extra in (("resident", {}), ("streamed", {"param_offload": True, "prefetch_depth": 2})):
+        for name, extra in (("resident", {}), ("streamed", {"param_offload": True, "weights_prefetch_depth": 2})):
             model = _eager_llama(layers=8, hidden=1024, dtype=torch.bfloat16)
             for layer in model.model.layers:
                 layer.requires_grad_(False)

@@ -150,22 +150,24 @@ def test_wrap_option_pages_and_recomputes_with_the_same_bits():
     assert weights_a and all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
 
 
-def test_option_is_validated_and_auto_by_default():
+def test_option_is_validated_and_off_by_default():
     for bad in ("yes", "on", 1):
         with pytest.raises(ValueError, match="compact_lora_inputs"):
             trainstream.wrap(_lora_qwen(), lr=1e-3, compact_lora_inputs=bad)
-    model, _ = trainstream.wrap(_lora_qwen(), lr=1e-3)  # "auto": the plain PEFT layers qualify
+    model, _ = trainstream.wrap(_lora_qwen(), lr=1e-3)  # a prototype (trainstream.prototype): off by default
+    assert trainstream.memory_report(model)["activations"]["compact_lora_layers"] == 0
+    assert trainstream.memory_report(model)["plan"]["compact_lora_inputs"] is False
+    assert not any(isinstance(m, CompactInputLinear) for m in model.modules())
+    trainstream.unwrap(model)
+    model, _ = trainstream.wrap(_lora_qwen(), lr=1e-3, compact_lora_inputs="auto")  # the plain PEFT layers qualify
     assert trainstream.memory_report(model)["activations"]["compact_lora_layers"] == 2 * len(TARGETS)
     assert trainstream.memory_report(model)["plan"]["compact_lora_inputs"] is True  # the plan priced it so
     trainstream.unwrap(model)
-    model, _ = trainstream.wrap(_lora_qwen(dropout=0.1), lr=1e-3)  # dropout: left to PEFT, priced as PEFT's
+    model, _ = trainstream.wrap(_lora_qwen(dropout=0.1), lr=1e-3, compact_lora_inputs="auto")  # left to PEFT
     assert trainstream.memory_report(model)["activations"]["compact_lora_layers"] == 0
     assert not any("compact_lora_inputs" in e for e in trainstream.memory_report(model)["events"])
     assert trainstream.memory_report(model)["plan"]["compact_lora_inputs"] is False
     assert not any(isinstance(m, CompactInputLinear) for m in model.modules())
-    trainstream.unwrap(model)
-    model, _ = trainstream.wrap(_lora_qwen(), lr=1e-3, compact_lora_inputs=False)
-    assert trainstream.memory_report(model)["activations"]["compact_lora_layers"] == 0
     trainstream.unwrap(model)
 
 

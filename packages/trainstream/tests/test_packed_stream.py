@@ -92,10 +92,13 @@ def test_the_event_says_what_packed_and_bad_values_are_refused():
         trainstream.wrap(_lora(), lr=1e-3, param_offload=True, stream_packing="yes")
 
 
-def test_auto_packs_unless_only_the_unpacked_plan_fits(monkeypatch):
+def test_off_by_default_and_auto_packs_unless_only_the_unpacked_plan_fits(monkeypatch):
+    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)  # a prototype: off unless asked
+    assert "packed_blocks" not in trainstream.memory_report(model)["params"]["streaming"]
+    trainstream.unwrap(model)
     import trainstream.planning.decide as decide_module
 
-    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)  # "auto", room for both copies
+    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True, stream_packing="auto")  # room for both
     assert trainstream.memory_report(model)["params"]["streaming"]["packed_blocks"] == [0, 1, 2]
     trainstream.unwrap(model)
     real = decide_module.plan_wrap
@@ -107,7 +110,7 @@ def test_auto_packs_unless_only_the_unpacked_plan_fits(monkeypatch):
         return plan
 
     monkeypatch.setattr(decide_module, "plan_wrap", host_too_small_for_packed_copies)
-    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True)
+    model, _opt = trainstream.wrap(_lora(), lr=1e-3, param_offload=True, stream_packing="auto")
     streaming = trainstream.memory_report(model)["params"]["streaming"]
     assert "packed_blocks" not in streaming and streaming["source"] == "host"
     assert not any("stream_packing" in e for e in trainstream.memory_report(model)["events"])
@@ -126,7 +129,7 @@ def test_blocks_that_would_not_shrink_stream_as_stored(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("extra", [{}, {"recompute": True, "prefetch_depth": 2}])
+@pytest.mark.parametrize("extra", [{}, {"recompute": True, "weights_prefetch_depth": 2}])
 def test_cuda_packed_streaming_is_bit_exact_and_moves_fewer_bytes(monkeypatch, extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -70,7 +70,7 @@ def test_plan_changes_nothing():
 
 
 def test_every_auto_option_is_settled_in_the_plan_with_its_reason():
-    plan = trainstream.plan(tiny_llama(layers=4), param_offload="auto")
+    plan = trainstream.plan(tiny_llama(layers=4), param_offload="auto", host_embedding="auto", stream_packing="auto")
     resolved = dict(plan.resolved)
     for option in ("param_offload", "quantize", "stream_packing", "host_embedding"):
         assert resolved[option] != "auto", option

@@ -27,7 +27,7 @@ def _params(model):
 
 @pytest.mark.parametrize("options", [
     {"param_offload": True},
-    {"param_offload": [1, 2], "prefetch_depth": 2},
+    {"param_offload": [1, 2], "weights_prefetch_depth": 2},
     {"param_offload": True, "recompute": True},
     {"param_offload": True, "activation_offload": True, "min_offload_bytes": 0},
     {"param_offload": 0.5, "recompute": [0], "accumulation_steps": 2, "max_grad_norm": 0.1},
@@ -44,7 +44,7 @@ def test_streamed_weights_train_bit_for_bit_like_resident_ones(options):
     params = runs[1][2]["params"]
     streaming = params["streaming"]
     assert streaming["fetches"] > 0 and streaming["h2d_bytes"] > 0
-    assert streaming["peak_resident_blocks"] <= options.get("prefetch_depth", 1) + 2
+    assert streaming["peak_resident_blocks"] <= options.get("weights_prefetch_depth", 1) + 2
     assert sorted(params["paged_blocks"] + params["resident_blocks"]) == list(range(4))
     assert params["link_bytes_per_s"] > 0  # the fetches' memory copies, timed
 

@@ -19,7 +19,9 @@ if "torch._dynamo" not in _sys.modules and _dist.is_available() and _dist.is_ini
 from ts_kvcache import PagedKVCache  # the reference's trainstream.PagedKVCache; ts-kvcache owns it
 from ts_pinned import reserve_pinned
 
+from . import prototype
 from ._compile import compile_blocks
+from ._config import ActivationsConfig, Config, OptimizerConfig, PrototypeConfig, RuntimeConfig, WeightsConfig
 from ._hardware import HardwareProfile, profile_hardware
 from ._losses import causal_lm_loss, chunked_cross_entropy, dpo_loss, sequence_logprobs
 from ._optimizer import OffloadAdamW
@@ -33,13 +35,19 @@ from .planning import Decision, Plan, PlanRefused, plan
 
 __all__ = [
     "ActivationOffloader",
+    "ActivationsConfig",
+    "Config",
     "Decision",
     "HardwareProfile",
     "OffloadAdamW",
+    "OptimizerConfig",
     "PagedKVCache",
     "Plan",
     "PlanRefused",
+    "PrototypeConfig",
+    "RuntimeConfig",
     "TrainStreamSession",
+    "WeightsConfig",
     "causal_lm_loss",
     "chunked_cross_entropy",
     "compile_blocks",
@@ -50,6 +58,7 @@ __all__ = [
     "plan",
     "plot_memory",
     "profile_hardware",
+    "prototype",
     "quantize_model",
     "reserve_pinned",
     "sequence_logprobs",

@@ -50,17 +50,19 @@ class WrapOptions:
     activation_offload: Any = "auto"
     recompute: Any = "auto"
     recompute_variant: str = "full"
-    compact_lora_inputs: Any = "auto"  # memory/lora_inputs.py: on where PEFT layers qualify (H200 A/B, 2026-12-03)
-    prefetch_depth: int = 1
+    compact_lora_inputs: Any = False  # prototype (trainstream.prototype); "auto": where PEFT layers qualify
+    prefetch_depth: int = 1  # paged activation blocks brought back ahead of backward
+    weights_prefetch_depth: int = 1  # streamed weight blocks fetched ahead of the one running
     max_inflight_bytes: int | None = None
     min_offload_bytes: int = 1 << 20
     blocks: Any = None
     attention: Any = WRAP_DEFAULT  # "auto" on one GPU, "default" elsewhere (attention.resolve_wrap_default)
     param_offload: Any = False
-    stream_packing: Any = "auto"  # memory/packed_source.py; "auto": where host RAM holds the packed copies too
-    host_embedding: Any = "auto"  # memory/host_embedding.py; resolved by wrap() to True / False
+    stream_packing: Any = False  # prototype; "auto": where host RAM holds the packed copies too
+    host_embedding: Any = False  # prototype; "auto": where the model has a frozen untied embedding
     prefer: str = "exact"  # quantize="auto" with param_offload="auto": stream exact weights before quantizing
-    peer: Any = "auto"
+    peer: Any = False  # prototype; "auto": pooled where data parallel ranks share a machine
+    mapped_trial: bool = False  # prototype: offload="auto" times mapped CUDA AdamW against host AdamW
     distributed: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,7 +112,7 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     opts.vram_headroom = _real("vram_headroom", opts.vram_headroom, "a fraction in [0, 1)", upper=1.0)
     opts.lr = _real("lr", opts.lr, "a finite number >= 0")
     opts.seed = _integer("seed", opts.seed, 0, 2**63 - 1)
-    for flag in ("check_memory", "verbose", "guard_params"):
+    for flag in ("check_memory", "verbose", "guard_params", "mapped_trial"):
         if not isinstance(getattr(opts, flag), bool):
             raise ValueError(f"{flag}={getattr(opts, flag)!r} is not valid; use True or False")
     opts.device = _device(opts.device)
@@ -124,6 +126,7 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
     opts.recompute = check_block_choice("recompute", opts.recompute)
     opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)
+    opts.weights_prefetch_depth = _integer("weights_prefetch_depth", opts.weights_prefetch_depth, 1, 64)
     if opts.max_inflight_bytes is not None:
         opts.max_inflight_bytes = _integer("max_inflight_bytes", opts.max_inflight_bytes, 1, 2**62,
                                            "None (1 GiB) or ")

@@ -342,11 +342,13 @@ class TrainStreamSession:
             tuner.static_grew(nbytes)  # the watchdog's numbers were measured without it
 
     def _start_mapped_trial(self, room: int) -> None:
-        """offload='auto', state in host memory: measure mapped CUDA AdamW against host AdamW when the
-        gradients it keeps in VRAM until step() fit twice in the room the measured peak left."""
+        """offload='auto' with mapped_trial=True (a prototype), state in host memory: measure mapped CUDA AdamW
+        against host AdamW when the gradients it keeps in VRAM until step() fit twice in the room the measured
+        peak left."""
         host = [s for s in self.engine.active if s.placement == "host" and not s.streamed]
         grads = sum(s.numel * s.param.element_size() for s in host)
-        if self.config.offload != "auto" or not host or self.engine.step_hook is not None or 2 * grads > room:
+        if (not self.config.mapped_trial or self.config.offload != "auto" or not host
+                or self.engine.step_hook is not None or 2 * grads > room):
             return
         self.trial = MappedTrial()
         self.events.add("plan", f"offload='auto': trying CUDA AdamW over mapped host memory against host AdamW "

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 
+from ._config import Config
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
@@ -43,23 +44,25 @@ class _ModelUndo:
             module._buffers[name] = buffer
 
 
-def wrap(model: torch.nn.Module, optimizer=None, plan: Plan | None = None, **options):
+def wrap(model: torch.nn.Module, optimizer=None, plan: Plan | None = None, config: Config | None = None,
+         **options):
     """Trains ``model`` with its optimizer state in host memory; returns ``(model, optimizer)``.
 
     ``optimizer``: ``torch.optim.AdamW`` / ``Adam`` (converted, state migrated), a
     ``trainstream.OffloadAdamW``, or ``None`` (one is made with ``lr=``). ``plan``: what
-    ``trainstream.plan(model, optimizer, **options)`` returned, applied as it is (then pass no options);
-    without it wrap() makes that plan first. Options are validated up front; see the README for each
-    one. On any error, nothing has changed.
+    ``trainstream.plan(model, optimizer, ...)`` returned, applied as it is (then pass no config or
+    options); without it wrap() makes that plan first. ``config``: a ``trainstream.Config`` (or its
+    dict); keyword options (the README's table) override it. Options are validated up front. On any
+    error, nothing has changed.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"wrap() takes a torch.nn.Module, not {type(model).__name__}")
     if getattr(model, "_trainstream_session", None) is not None:
         raise ValueError("this model is already wrapped; call trainstream.unwrap(model) first")
     if plan is None:
-        plan = make_plan(model, optimizer, **options)
+        plan = make_plan(model, optimizer, config, **options)
     else:
-        _check_plan_applies(plan, model, optimizer, options)
+        _check_plan_applies(plan, model, optimizer, {**options, **({"config": config} if config is not None else {})})
     return _apply(model, optimizer, plan)
 
 
@@ -139,7 +142,7 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
 def _weight_streamer(model: torch.nn.Module, device: torch.device, opts, streamed: tuple[int, ...]) -> WeightStreamer:
     """The streamer of the plan's streamed blocks."""
     blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
-    return WeightStreamer(blocks, streamed, device=device, prefetch_depth=opts.prefetch_depth,
+    return WeightStreamer(blocks, streamed, device=device, prefetch_depth=opts.weights_prefetch_depth,
                           shared=opts.distributed, trained=None)
 
 

@@ -22,6 +22,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     raise ImportError("trainstream.integrations.huggingface needs transformers: pip install 'trainstream[hf]'") from error
 
 from .. import OffloadAdamW, causal_lm_loss, compile_blocks, find_blocks, sequence_logprobs, wrap
+from .._config import Config, trainer_options
 from .._options import parse_options
 from .hf_loading import load_model
 from .hf_quantizer import TrainStreamQuantConfig  # registers the quantizer with transformers
@@ -252,8 +253,8 @@ class TrainStreamMixin:
     # Keys of trainstream={...} a subclass pops before this __init__ sees them (named in errors).
     _ts_extra_options: tuple[str, ...] = ()
 
-    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
-        options = dict(trainstream or {})
+    def __init__(self, *args, trainstream: dict | Config | None = None, **kwargs):
+        options = trainer_options(trainstream)
         for name in ("max_grad_norm", "accumulation_steps"):
             if name in options:
                 raise ValueError(f"trainstream={{'{name}': ...}} comes from the trainer's config (TrainingArguments) "
@@ -299,8 +300,8 @@ class TrainStreamTrainer(TrainStreamMixin, Trainer):
 
     _ts_extra_options = ("chunked_loss", "loss_chunk_size")
 
-    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
-        options = dict(trainstream or {})
+    def __init__(self, *args, trainstream: dict | Config | None = None, **kwargs):
+        options = trainer_options(trainstream)
         self._ts_chunked = options.pop("chunked_loss", True)
         self._ts_chunk = options.pop("loss_chunk_size", 1024)
         if not isinstance(self._ts_chunked, bool):

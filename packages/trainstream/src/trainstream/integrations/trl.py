@@ -20,6 +20,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without trl
     raise ImportError("trainstream.integrations.trl needs TRL: pip install trl") from error
 
+from .._config import Config, trainer_options
 from .huggingface import TrainStreamMixin, reference_logprobs
 
 __all__ = ["TrainStreamDPOTrainer", "TrainStreamGRPOTrainer", "TrainStreamMixin", "TrainStreamSFTTrainer"]
@@ -40,8 +41,8 @@ class TrainStreamGRPOTrainer(TrainStreamMixin, trl.GRPOTrainer):
 
     _ts_extra_options = ("kv_cache",)
 
-    def __init__(self, *args, trainstream: dict | None = None, **kwargs):
-        options = dict(trainstream or {})
+    def __init__(self, *args, trainstream: dict | Config | None = None, **kwargs):
+        options = trainer_options(trainstream)
         kv = options.pop("kv_cache", False)
         if not isinstance(kv, (bool, dict)):
             raise ValueError(f"trainstream={{'kv_cache': {kv!r}}} is not valid; use True, False or a dict of "

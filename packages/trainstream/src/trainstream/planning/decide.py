@@ -24,6 +24,7 @@ import shutil
 import torch
 import ts_planner
 
+from .._config import Config
 from .._dropped import collect_dropped
 from .._options import WrapOptions, parse_options
 from ..memory.activations import blocks_of, streamed_blocks_of
@@ -49,14 +50,19 @@ from .plan import Decision, Plan, fingerprint
 __all__ = ["decide", "plan", "training_device"]
 
 
-def plan(model: torch.nn.Module, optimizer=None, **options) -> Plan:
-    """Every decision ``wrap(model, optimizer, **options)`` would make, as a frozen Plan, without
-    changing anything. ``wrap(model, optimizer, plan=...)`` then applies it. PlanRefused (a MemoryError)
-    when the run cannot fit, ValueError for bad options."""
+def plan(model: torch.nn.Module, optimizer=None, config: Config | None = None, **options) -> Plan:
+    """Every decision ``wrap(model, optimizer, config, **options)`` would make, as a frozen Plan, without
+    changing anything. ``wrap(model, optimizer, plan=...)`` then applies it. ``config``: a
+    ``trainstream.Config`` (or a dict ``Config.from_dict`` reads); keyword options override it, and it
+    overrides an ``OffloadAdamW``'s own settings where it differs from the defaults. PlanRefused (a
+    MemoryError) when the run cannot fit, ValueError for bad options."""
     from .._optimizer import OffloadAdamW
 
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"plan() takes a torch.nn.Module, not {type(model).__name__}")
+    if config is not None:
+        config = config if isinstance(config, Config) else Config.from_dict(config)
+        options = {**config.changed(), **options}
     if isinstance(optimizer, OffloadAdamW):
         options = {**optimizer.wrap_options, **options}
     return decide(model, optimizer, parse_options(options))
