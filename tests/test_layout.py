@@ -83,3 +83,49 @@ def test_no_source_file_is_too_long():
         if path.suffix in {".py", ".cpp", ".cu", ".h", ".cuh"} and len(path.read_text().splitlines()) > 600:
             long.append(str(path.relative_to(ROOT)))
     assert not long, f"files over 600 lines: {long}"
+
+
+def _trainstream_import_graph() -> dict[str, set[tuple[str, str]]]:
+    """trainstream's modules and subpackages (top-level units: `engine`, `planning`, `_wrap`, ...) -> the units
+    they import, with where, counting imports inside functions too. The package's ``__init__`` is the facade
+    that composes everything; calling the public API through it is not an edge."""
+    root = ROOT / "packages" / "trainstream" / "src" / "trainstream"
+    edges: dict[str, set[tuple[str, str]]] = {}
+    for path in root.rglob("*.py"):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        unit = module.split(".")[1] if "." in module else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + [node.module]) if node.module else ".".join(base)
+                names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "trainstream" and len(parts) > 1 and unit is not None and parts[1] != unit:
+                    edges.setdefault(unit, set()).add((parts[1], f"{path.relative_to(root)}:{node.lineno}"))
+    return edges
+
+
+def test_trainstream_has_no_import_cycle():
+    edges = _trainstream_import_graph()
+    graph = {unit: {target for target, _ in targets} for unit, targets in edges.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            unit = todo.pop()
+            if unit == goal:
+                return True
+            if unit not in seen:
+                seen.add(unit)
+                todo.extend(graph.get(unit, ()))
+        return False
+
+    cycles = sorted(f"{unit} -> {target} ({where}), and back" for unit, targets in edges.items()
+                    for target, where in targets if reaches(target, unit))
+    assert not cycles, "import cycles between trainstream's modules:\n" + "\n".join(cycles)

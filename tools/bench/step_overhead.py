@@ -52,7 +52,7 @@ def measure(tensors: int, groups: int, steps: int) -> dict:
         g["params"].append(p)
         slots.append(ParamSlot(param=p, index=i, group=g, name=f"p{i}"))
     engine = UpdateEngine(slots, torch.device("cpu"), torch.float32, None, Events(), max_grad_norm=None,
-                          accumulation_steps=1, seed=0, guard_params=True, placement="device", distributed=False)
+                          accumulation_steps=1, seed=0, guard_params=True, placement="device", step_hook=None)
     engine.channel = _fake_cuda.FakeChannel(torch.device("cpu"))
     for s in slots:
         engine.activate(s)

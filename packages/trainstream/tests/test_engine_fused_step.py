@@ -60,7 +60,7 @@ def _setup(groups_of: list[int], *, max_grad_norm=None, guard_params=True, seed=
             index += 1
     engine = UpdateEngine(slots, torch.device("cpu"), torch.float32, None, _Events(), max_grad_norm=max_grad_norm,
                           accumulation_steps=1, seed=0, guard_params=guard_params, placement="device",
-                          distributed=False)
+                          step_hook=None)
     engine.channel = fake_cuda.FakeChannel()
     for s in slots:
         engine.activate(s)

@@ -97,7 +97,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def attach(self, model: torch.nn.Module, **options) -> torch.nn.Module:
         """Adds the streaming engine for ``model`` (``trainstream.wrap(model, self, **options)``),
         continuing from the state built so far; returns the model."""
-        from ._wrap import wrap  # _wrap imports this module
+        from . import wrap  # the package's entry point (trainstream._wrap imports this module)
 
         if self._session is not None:
             raise ValueError("this OffloadAdamW is already attached to a model; trainstream.unwrap(model) first")

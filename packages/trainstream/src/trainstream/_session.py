@@ -22,7 +22,7 @@ from .memory import peer
 from .memory.activations import ActivationPolicy
 from .memory.placement_trial import MappedTrial
 from .memory.plan import GiB, device_state_bytes, vram_budget
-from .planning.decide import host_shares
+from .distributed.sharding import host_shares
 
 __all__ = ["TrainStreamSession"]
 
@@ -129,10 +129,15 @@ class TrainStreamSession:
             # writing them past the cache saves a read-for-ownership of every line.
             ts_adamw.set_streaming_stores("on")
             self.events.add("optimizer", "host AdamW writes the weights for upload with streaming stores")
+        # Collective under data parallel (every rank builds its session); before the engine's worker starts,
+        # so a refusal leaks nothing.
+        step_hook = tsd.setup(slots, device, self.events, enabled=options.distributed, settings={
+            "max_grad_norm": options.max_grad_norm, "moment_dtype": self.moment_dtype,
+            "accumulation_steps": options.accumulation_steps})
         self.engine = UpdateEngine(slots, device, self.moment_dtype, self.arena, self.events,
                                    max_grad_norm=options.max_grad_norm, accumulation_steps=options.accumulation_steps,
                                    seed=options.seed, guard_params=options.guard_params, placement=initial,
-                                   distributed=options.distributed)
+                                   step_hook=step_hook)
         try:
             if self.weights is not None:
                 self._bind_streamed_slots(slots)
@@ -437,11 +442,11 @@ ATTENTION_AGREE_STEPS = 3  # attention='auto' under data parallel: the steps aft
 
 
 def _own_share(trained: list[ParamSlot], world: int) -> list[ParamSlot]:
-    """This rank's trained slots: the share planning.decide.host_shares gives it (all of them in one process)."""
+    """This rank's trained slots: its share by distributed.sharding.host_shares, the rule the plan used."""
     if world < 2:
         return trained
-    own = {id(p) for p in host_shares([s.param for s in trained], world)[0]}
-    return [s for s in trained if id(s.param) in own]
+    own, _ = host_shares([s.numel * s.param.element_size() for s in trained], world, torch.distributed.get_rank())
+    return [trained[i] for i in own]
 
 
 def _weights_fit(weights, device: torch.device) -> bool:

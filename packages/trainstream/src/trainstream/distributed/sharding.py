@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Bucket", "assign_owners", "make_buckets"]
+__all__ = ["Bucket", "assign_owners", "host_shares", "make_buckets"]
 
 
 def assign_owners(sizes: Sequence[int], world: int, loads: Sequence[int] | None = None) -> list[int]:
@@ -70,3 +70,16 @@ def make_buckets(owners: Sequence[int], nbytes: Sequence[int], dtypes: Sequence[
     for key in list(open_):
         close(key)
     return [b for _, b in sorted(done, key=lambda x: x[0])]
+
+
+def host_shares(sizes: Sequence[int], world: int, rank: int) -> tuple[list[int], list[int]]:
+    """(indices of `rank`'s trained tensors, indices of the largest rank's) for tensors of `sizes` bytes
+    owned as ``assign_owners`` assigns them: host memory is planned on the largest share (every rank then
+    makes the same choices) and page-locked for its own. One process: all of them, twice."""
+    if world < 2:
+        every = list(range(len(sizes)))
+        return every, every
+    owners = assign_owners(sizes, world)
+    shares = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
+    largest = max(shares, key=lambda share: sum(sizes[i] for i in share))
+    return shares[rank], largest

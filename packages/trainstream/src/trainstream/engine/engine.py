@@ -45,12 +45,6 @@ __all__ = ["UpdateEngine", "UpdateFailed"]
 S = SlotState
 
 
-def _data_parallel(slots, device, events, enabled, settings):
-    from ..distributed import setup  # imported here: trainstream.distributed imports engine.slots
-
-    return setup(slots, device, events, enabled=enabled, settings=settings)
-
-
 def _check_dense(slot: ParamSlot, grad: torch.Tensor) -> None:
     if grad.is_sparse or grad.layout != torch.strided:
         raise ValueError(f"{slot.label} has a {grad.layout} gradient; trainstream trains dense gradients only "
@@ -66,7 +60,7 @@ class UpdateEngine:
 
     def __init__(self, slots: list[ParamSlot], device: torch.device, moment_dtype: torch.dtype,
                  arena: ts_pinned.PinnedArena, events, *, max_grad_norm: float | None, accumulation_steps: int,
-                 seed: int, guard_params: bool, placement: str, distributed=None):
+                 seed: int, guard_params: bool, placement: str, step_hook=None):
         self.slots = slots
         self.by_param = {id(s.param): s for s in slots}
         self.device = device
@@ -81,11 +75,9 @@ class UpdateEngine:
         self.seed = seed
         self.guard_params = guard_params
         self.placement = placement  # where a newly trained parameter's state goes
-        # Data parallel: a DataParallel built by the caller, or None / True / False for setup() to decide
-        # (collective: every rank constructs its engine). Before the worker starts, so a refusal leaks nothing.
-        self.step_hook = distributed if hasattr(distributed, "before_step") else _data_parallel(
-            slots, device, events, distributed, {"max_grad_norm": max_grad_norm, "moment_dtype": moment_dtype,
-                                                 "accumulation_steps": accumulation_steps})
+        # Data parallel: what trainstream.distributed.setup() built for these slots (None: one process). The
+        # caller builds it, so the engine never imports the layer that builds on it.
+        self.step_hook = step_hook
         self.channel = channel_for(device)
         self.marks = UploadMarks()
         self.host = HostUpdater(self.channel, self.marks, events)

@@ -47,7 +47,7 @@ from ..memory.quantize import choose_quantize
 from ..memory.streamed_block import frozen_params_of, nbytes_of, streams_trained, trained_params_of
 from .plan import Decision, Plan, fingerprint
 
-__all__ = ["decide", "plan", "training_device"]
+__all__ = ["decide", "plan", "trained_params", "training_device"]
 
 
 def plan(model: torch.nn.Module, optimizer=None, config: Config | None = None, **options) -> Plan:
@@ -56,15 +56,14 @@ def plan(model: torch.nn.Module, optimizer=None, config: Config | None = None, *
     ``trainstream.Config`` (or a dict ``Config.from_dict`` reads); keyword options override it, and it
     overrides an ``OffloadAdamW``'s own settings where it differs from the defaults. PlanRefused (a
     MemoryError) when the run cannot fit, ValueError for bad options."""
-    from .._optimizer import OffloadAdamW
-
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"plan() takes a torch.nn.Module, not {type(model).__name__}")
     if config is not None:
         config = config if isinstance(config, Config) else Config.from_dict(config)
         options = {**config.changed(), **options}
-    if isinstance(optimizer, OffloadAdamW):
-        options = {**optimizer.wrap_options, **options}
+    own = getattr(optimizer, "wrap_options", None)  # an OffloadAdamW's engine settings (not imported: a cycle)
+    if isinstance(own, dict):
+        options = {**own, **options}
     return decide(model, optimizer, parse_options(options))
 
 
@@ -169,32 +168,23 @@ def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
     """The moment dtype: the one rule (plan_host_memory) over the largest rank's share of the trained
     parameters; PlanRefused (check_memory) when even that share's state does not fit page-locked RAM."""
     from .. import distributed as tsd
+    from ..distributed.sharding import host_shares
 
     if opts.optimizer_mode == "gpu" and device.type != "cuda":
         raise ValueError("optimizer_mode='gpu' needs a CUDA device; use 'cpu' or 'auto'")
     placement = "mapped" if opts.optimizer_mode == "gpu" else "host"
     params = trained_params(model, optimizer)
-    own, largest = host_shares(params, tsd.world_of(opts.distributed))
+    world = tsd.world_of(opts.distributed)
+    own, largest = (
+        [params[i] for i in share]
+        for share in host_shares([p.numel() * p.element_size() for p in params], world,
+                                 torch.distributed.get_rank() if world > 1 else 0))
     try:
         host = plan_host_memory(largest, placement, opts.moment_dtype, opts.check_memory)
     except MemoryError as error:
         raise PlanRefused(str(error)) from None
     needed = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)
     return _HostState(host.moment_dtype, needed, host.message)
-
-
-def host_shares(params: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(this rank's trained parameters, the largest rank's): under data parallel the owners that
-    distributed.setup() assigns (the same pure rule), so host memory is planned and page-locked for
-    this rank's share only; otherwise all of them, twice."""
-    from .. import distributed as tsd
-
-    if world < 2:
-        return params, params
-    owners = tsd.assign_owners([p.numel() * p.element_size() for p in params], world)
-    shares = [[p for p, o in zip(params, owners) if o == r] for r in range(world)]
-    largest = max(shares, key=lambda share: sum(p.numel() for p in share))
-    return shares[torch.distributed.get_rank()], largest
 
 
 # ---- 4. param_offload ----------------------------------------------------------------------------
