@@ -98,7 +98,7 @@ def _trainstream_import_graph() -> dict[str, set[tuple[str, str]]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-                target = ".".join(base + [node.module]) if node.module else ".".join(base)
+                target = ".".join([*base, node.module]) if node.module else ".".join(base)
                 names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

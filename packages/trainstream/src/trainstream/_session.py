@@ -15,6 +15,7 @@ from ._options import WrapOptions
 from ._stalls import detach_stall_clock
 from ._weak import weakly
 from .attention import AttentionChooser, resolve_wrap_default
+from .distributed.sharding import host_shares
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
 from .engine.slots import dense_layout_problem
@@ -22,7 +23,6 @@ from .memory import peer
 from .memory.activations import ActivationPolicy
 from .memory.placement_trial import MappedTrial
 from .memory.plan import GiB, device_state_bytes, vram_budget
-from .distributed.sharding import host_shares
 
 __all__ = ["TrainStreamSession"]
 
