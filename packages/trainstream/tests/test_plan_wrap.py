@@ -264,11 +264,11 @@ def test_stalls_from_timings_attributes_every_second_once():
         stalls_from_timings(1.0, {"compute": 0.1})
 
 
-def test_timed_channel_times_only_waits_that_can_stall(monkeypatch):
+def test_observed_channel_times_only_waits_that_can_stall():
     """A compute-stream wait on a copy that already finished (or on no copy) cannot stall: it is passed on
     without the two timing events, which cost the training thread more than such a wait (thousands a
     step on the H200: prefetched pages and weights). A wait on a copy still running is timed."""
-    from trainstream._stalls import StallClock, _TimedChannel
+    from trainstream.engine.channel import ChannelOwner, ObservedChannel
 
     class Token:
         def __init__(self, done):
@@ -278,23 +278,39 @@ def test_timed_channel_times_only_waits_that_can_stall(monkeypatch):
             return self.done
 
     class Channel:
+        is_cuda = True
+
         def __init__(self):
             self.waited = []
 
         def compute_wait(self, token):
             self.waited.append(token)
 
-    clock = StallClock(torch.device("cpu"), busy=lambda: 0.0)
-    monkeypatch.setattr(StallClock, "cuda", property(lambda self: True))
-    timed = []
-    monkeypatch.setattr(clock, "device_wait", lambda cause: timed.append(cause) or contextlib.nullcontext())
-    channel = Channel()
-    view = _TimedChannel(channel, clock)
+    class Observer:
+        def __init__(self):
+            self.timed = []
+
+        def device_wait(self, cause):
+            self.timed.append(cause)
+            return contextlib.nullcontext()
+
+        host_wait = device_wait
+
+    class Owner(ChannelOwner):
+        def __init__(self):
+            self.channel = Channel()
+
+    owner, observer = Owner(), Observer()
+    channel = owner.channel
+    owner.observe(observer)
+    assert isinstance(owner.channel, ObservedChannel) and owner.channel.base is channel
     finished, running = Token(True), Token(False)
     for token in (None, finished, running):
-        view.compute_wait(token)
+        owner.channel.compute_wait(token)
     assert channel.waited == [None, finished, running]  # every wait still reaches the stream
-    assert timed == ["link"]  # only the running copy's
+    assert observer.timed == ["link"]  # only the running copy's
+    owner.observe(None)
+    assert owner.channel is channel  # no view left: nothing refers to the observer
 
 
 def test_a_slow_host_optimizer_shows_as_host_optimizer_stalls(monkeypatch):

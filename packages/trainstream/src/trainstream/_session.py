@@ -12,7 +12,7 @@ import ts_pinned
 from ._dropped import track
 from ._events import EventLog
 from ._options import WrapOptions
-from ._stalls import detach_stall_clock
+from ._stalls import StallClock
 from ._weak import weakly
 from .attention import AttentionChooser, resolve_wrap_default
 from .distributed.sharding import host_shares
@@ -75,7 +75,7 @@ class TrainStreamSession:
         self.attention = self._attention = None
         self.weights = weights  # the WeightStreamer of param_offload=, attached below
         self.host_embedding = None  # memory/host_embedding.py: the input embedding's table in host memory
-        self.stalls = None  # the StallClock wrap() attaches (_stalls.py)
+        self.stalls = None  # the StallClock timing the training loop's waits (_stalls.py), from __init__'s end
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
@@ -167,6 +167,7 @@ class TrainStreamSession:
             if self.weights is not None:
                 self._model_hook(model.register_load_state_dict_post_hook, lambda *args: self.weights.after_load())
             self._interrupts = interrupts.install()
+            self._start_stall_clock()
         except BaseException:
             self.close()
             raise
@@ -234,6 +235,20 @@ class TrainStreamSession:
             return 0
         return sum(device_state_bytes(s) for s in self.engine.active if s.placement != "device" and not s.streamed)
 
+    def _start_stall_clock(self) -> None:
+        """Times the training loop's waits: on the host updates as host-optimizer stalls, on copies (the
+        engine's, the weight streamer's, the activation pager's channels) as link stalls."""
+        host = self.engine.host
+        # Over the updater, not the engine or the session: the worker's thread holds the updater (and through
+        # its observer the clock), so a reference to the engine here would keep a dropped model alive.
+        self.stalls = StallClock(self.device, busy=lambda: host.busy_seconds)
+        self._observe(self.stalls)
+
+    def _observe(self, observer) -> None:
+        for owner in (self.engine, self.weights, getattr(self.activations, "offloader", None)):
+            if owner is not None:
+                owner.observe(observer)
+
     def _model_hook(self, register, fn) -> None:
         hook = EngineHook(fn)
         self._hooks.append(hook)
@@ -274,6 +289,8 @@ class TrainStreamSession:
             self._advance_trial(period)
         if self.world > 1 and self.steps <= ATTENTION_AGREE_STEPS:
             self._agree_on_attention()
+        if self.stalls is not None:
+            self.stalls.step_finished()
 
     def _agree_on_attention(self) -> None:
         """attention='auto' under data parallel: after each of the first steps every rank takes the mean
@@ -435,7 +452,7 @@ class TrainStreamSession:
                 interrupts.uninstall()
                 self._interrupts = False
             if self.stalls is not None:
-                detach_stall_clock(self)
+                self._observe(None)  # the owners' views refer to the clock: nothing keeps it once closed
 
 
 ATTENTION_AGREE_STEPS = 3  # attention='auto' under data parallel: the steps after which ranks agree

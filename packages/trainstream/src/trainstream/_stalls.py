@@ -1,7 +1,9 @@
 """Stall attribution: per optimizer step, how long the training loop waited on the host<->GPU link,
 on the host optimizer, and on nothing (the rest of the step: compute, data, the user's code).
 
-``StallClock`` keeps the recent steps. Waits are recorded where they happen: ``host_wait(cause)``
+``StallClock`` keeps the recent steps. It is a ``WaitObserver`` (engine/channel.py): the session has
+the engine, the weight streamer and the activation pager report their waits to it (``observe``), and
+closes a step after each optimizer step. Waits are recorded where they happen: ``host_wait(cause)``
 around a wait that blocks the Python thread; ``device_wait(cause)`` around a wait enqueued on the
 compute stream (timed with a pair of CUDA events, read at a later step end, so nothing synchronizes).
 ``stalls_from_timings`` turns one step's timings into the reported numbers.
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-__all__ = ["CAUSES", "StallClock", "attach_stall_clock", "stalls_from_timings"]
+__all__ = ["CAUSES", "StallClock", "stalls_from_timings"]
 
 CAUSES = ("link", "host_optimizer")
 
@@ -146,81 +148,3 @@ class StallClock:
             waits = s.pop("waits")
             out.append({**s, **stalls_from_timings(s["step_s"], waits)})
         return out
-
-
-class _TimedChannel:
-    """A session's view of the shared copy channel whose waits count as link stalls of that session."""
-
-    def __init__(self, channel, clock: StallClock):
-        self._channel, self._clock = channel, clock
-
-    def host_wait(self, token) -> None:
-        with self._clock.host_wait("link"):
-            self._channel.host_wait(token)
-
-    def compute_wait(self, token) -> None:
-        if token is None or (self._clock.cuda and token.query()):
-            # Nothing left to wait for: no stall to time. (Thousands of these a step, mostly prefetched
-            # pages and weights: two timing events each cost the training thread more than the wait.)
-            self._channel.compute_wait(token)
-            return
-        with self._clock.device_wait("link"):
-            self._channel.compute_wait(token)
-
-    def __getattr__(self, name):
-        return getattr(self._channel, name)
-
-
-def _timed(fn, clock: StallClock, cause: str):
-    def timed(*args, **kwargs):
-        with clock.host_wait(cause):
-            return fn(*args, **kwargs)
-
-    return timed
-
-
-_TIMED_HOST_WAITS = ("wait_applied", "wait_slot", "drain")  # the host worker's waits that count as stalls
-
-
-def _channel_owners(session) -> list:
-    """Whatever holds a copy channel whose waits count as link stalls (None where the session has none)."""
-    return [session.engine, session.weights, getattr(session.activations, "offloader", None)]
-
-
-def attach_stall_clock(session) -> StallClock:
-    """Installs a StallClock on `session` (``session.stalls``): the training loop's waits on the host
-    updates (the engine's HostUpdater) count as host-optimizer stalls, its waits on copies (the channel
-    of the engine, the weight streamer and the activation pager) as link stalls, and each optimizer
-    step closes a step. Interim wiring by per-session attributes until the engine records its waits."""
-    engine = session.engine
-    host = engine.host
-    # Not over the engine: the host worker's thread holds `host` (and, through the timed waits below, the
-    # clock), so a reference to the engine here would keep a dropped model's engine and state alive.
-    clock = StallClock(session.device, busy=lambda: host.busy_seconds)
-    for name in _TIMED_HOST_WAITS:
-        setattr(host, name, _timed(getattr(host, name), clock, "host_optimizer"))
-    for owner in _channel_owners(session):
-        if owner is not None and getattr(owner, "channel", None) is not None:
-            owner.channel = _TimedChannel(owner.channel, clock)
-    step = session.optimizer_step
-
-    def optimizer_step() -> None:
-        step()
-        clock.step_finished()
-
-    session.optimizer_step = optimizer_step
-    session.stalls = clock
-    return clock
-
-
-def detach_stall_clock(session) -> None:
-    """Undoes attach_stall_clock's wiring (``session.stalls`` stays readable). The wrappers refer to what
-    they wrap (the host's own methods, the session's step), so left in place they would keep the closed
-    session in reference cycles."""
-    for name in _TIMED_HOST_WAITS:
-        vars(session.engine.host).pop(name, None)  # the class's method again
-    for owner in _channel_owners(session):
-        channel = getattr(owner, "channel", None)
-        if isinstance(channel, _TimedChannel):
-            owner.channel = channel._channel
-    vars(session).pop("optimizer_step", None)

@@ -11,7 +11,6 @@ from ._config import Config
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
-from ._stalls import attach_stall_clock
 from .engine import SlotState
 from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
@@ -102,7 +101,6 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
             session.install_host_embedding(embedding)
         memory = plan.memory
         session.events.add("plan", memory.message if memory.fits else f"check_memory=False, so it tries: {memory.message}")
-        attach_stall_clock(session)
         for kind, text in plan.notes:
             session.events.add(kind, text)
         if allocator_why:

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
-__all__ = ["CudaChannel", "HostChannel", "UploadMarks", "channel_for", "transfer_stats"]
+__all__ = ["ChannelOwner", "CudaChannel", "HostChannel", "ObservedChannel", "UploadMarks", "WaitObserver", "channel_for",
+           "transfer_stats"]
 
 WaitApplied = Callable[[int], None]  # blocks until the worker has handled every update up to a sequence
 
@@ -219,3 +222,47 @@ def transfer_stats(device: torch.device | str | int | None = None) -> dict[str, 
     with _channels_lock:
         channel = _channels.get(device)
     return channel.stats.as_dict() if channel else _Stats().as_dict()
+
+
+class WaitObserver(Protocol):
+    """Times the training loop's waits (the stall clock, ``trainstream._stalls.StallClock``): ``host_wait``
+    around a wait that blocks the calling thread, ``device_wait`` around one enqueued on the compute stream.
+    ``cause`` names what is waited on: "link" or "host_optimizer"."""
+
+    def host_wait(self, cause: str) -> AbstractContextManager: ...
+
+    def device_wait(self, cause: str) -> AbstractContextManager: ...
+
+
+class ObservedChannel:
+    """One owner's view of a (shared) channel whose waits its observer times as link waits."""
+
+    def __init__(self, channel, observer: WaitObserver):
+        self.base, self._observer = channel, observer
+
+    def host_wait(self, token) -> None:
+        with self._observer.host_wait("link"):
+            self.base.host_wait(token)
+
+    def compute_wait(self, token) -> None:
+        if token is None or (self.base.is_cuda and token.query()):
+            # Nothing left to wait for: no stall to time. (Thousands of these a step, mostly prefetched
+            # pages and weights: two timing events each cost the training thread more than the wait.)
+            self.base.compute_wait(token)
+            return
+        with self._observer.device_wait("link"):
+            self.base.compute_wait(token)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+class ChannelOwner:
+    """Something that waits on a copy channel (``self.channel``) in the training loop: ``observe`` has an
+    observer time those waits, ``observe(None)`` stops it."""
+
+    channel: HostChannel | CudaChannel | ObservedChannel
+
+    def observe(self, observer: WaitObserver | None) -> None:
+        base = self.channel.base if isinstance(self.channel, ObservedChannel) else self.channel
+        self.channel = base if observer is None else ObservedChannel(base, observer)

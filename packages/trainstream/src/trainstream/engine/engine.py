@@ -27,7 +27,7 @@ import ts_pinned
 
 from . import interrupts
 from .buckets import GradBuckets
-from .channel import UploadMarks, channel_for
+from .channel import ChannelOwner, UploadMarks, channel_for
 from .hooks import EngineHook
 from .slots import ParamSlot, SlotState, grad_in_memory_order
 from .updates import (
@@ -55,7 +55,7 @@ class UpdateFailed(RuntimeError):
     """A host AdamW update failed; the parameters it names were left as they were."""
 
 
-class UpdateEngine:
+class UpdateEngine(ChannelOwner):
     """Owns every slot's transitions (``engine/slots.py`` lists the states and invariants)."""
 
     def __init__(self, slots: list[ParamSlot], device: torch.device, moment_dtype: torch.dtype,
@@ -102,6 +102,12 @@ class UpdateEngine:
         # its host copy (``host_copy``) and hears of each queued update (``update_queued``).
         self.streamer = None
         self.frozen_streamed: set[int] = set()  # ids of weights streamed as frozen: they cannot start training
+
+    def observe(self, observer) -> None:
+        """The stall clock (or None): times this engine's waits on its channel as link waits, and the
+        training loop's waits on the host worker as host-optimizer waits."""
+        super().observe(observer)
+        self.host.observer = observer
 
     @property
     def active(self) -> list[ParamSlot]:

@@ -252,6 +252,7 @@ class HostUpdater:
         self.updates = 0
         self.calls = 0  # ts-adamw host calls made (updates queued together share one)
         self.busy_seconds = 0.0  # wall time inside host AdamW (the worker's own counter)
+        self.observer = None  # a channel.WaitObserver timing the caller's waits below as host-optimizer waits
         self._errors: list[tuple[ParamSlot, BaseException]] = []
         # Liveness as a flag the worker clears on its way out: Thread.is_alive() interrupted by a
         # KeyboardInterrupt on 3.11 can mark a running thread stopped for good.
@@ -286,15 +287,23 @@ class HostUpdater:
 
     def wait_applied(self, sequence: int) -> None:
         """Blocks until every update up to `sequence` has been handled (applied or failed)."""
-        self._wait(lambda: self.applied >= sequence)
+        self._observed_wait(lambda: self.applied >= sequence)
 
     def wait_slot(self, slot: ParamSlot) -> None:
         """Blocks until the worker has released `slot` (it is no longer QUEUED)."""
-        self._wait(lambda: slot.state is not SlotState.QUEUED)
+        self._observed_wait(lambda: slot.state is not SlotState.QUEUED)
 
     def drain(self) -> None:
         """Blocks until every submitted update has been handled."""
-        self._wait(lambda: self.applied >= self.submitted)
+        self._observed_wait(lambda: self.applied >= self.submitted)
+
+    def _observed_wait(self, done) -> None:
+        observer = self.observer
+        if observer is None:
+            self._wait(done)
+            return
+        with observer.host_wait("host_optimizer"):
+            self._wait(done)
 
     def take_errors(self) -> list[tuple[ParamSlot, BaseException]]:
         """The failures not reported yet (each is reported once)."""

@@ -29,7 +29,7 @@ import weakref
 import torch
 import ts_pinned
 
-from ..engine.channel import channel_for
+from ..engine.channel import ChannelOwner, channel_for
 from ..engine.hooks import EngineHook
 from ..engine.slots import dense_layout_problem, flat
 
@@ -59,7 +59,7 @@ class Page:
             offloader._retire(self.host, self.fetched_event or self.done_d2h)
 
 
-class ActivationOffloader:
+class ActivationOffloader(ChannelOwner):
     """Pages the saved tensors of ``blocks[i]`` for each i in ``paged`` to host memory during forward.
 
     ``device``: where the model trains. ``prefetch_depth``: paged blocks brought back ahead of the one

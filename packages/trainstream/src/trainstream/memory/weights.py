@@ -56,7 +56,7 @@ import time
 import torch
 import ts_pinned
 
-from ..engine.channel import channel_for
+from ..engine.channel import ChannelOwner, channel_for
 from ..engine.hooks import EngineHook
 from .copy_timer import CopyTimer
 from .packed_source import PackedHostSource
@@ -78,7 +78,7 @@ __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "tr
 _FREEING_SLACK = 1  # evicted buffers still in use on the GPU when a fetch allocates (invariant 4)
 
 
-class WeightStreamer:
+class WeightStreamer(ChannelOwner):
     """Streams the weights of ``blocks[i]`` for each i in ``streamed`` (frozen ones; trained ones per ``trained``).
 
     ``prepare()`` (before the model moves to the device) copies them into host buffers and points
