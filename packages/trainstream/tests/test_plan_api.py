@@ -175,3 +175,31 @@ def test_host_state_bytes_are_what_the_engine_holds(dtype):
     held = sum(s.state_bytes() for s in session.engine.active)
     assert plan.host_state_bytes == session.host_state_bytes == held
     trainstream.unwrap(model)
+
+
+def test_the_plan_prices_the_optimizer_state_where_offload_auto_will_put_it():
+    """offload='auto' on a GPU moves the optimizer state to VRAM once it fits beside the settled peak: the plan
+    prices it there exactly then (the planner's own fit rule), and on the host otherwise or when asked."""
+    import dataclasses
+
+    from trainstream._options import parse_options
+    from trainstream.memory.plan import ModelFacts
+    from trainstream.planning import decide
+
+    shape = ts_planner.ModelShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True, qkv_bias=True)
+    trained = ts_planner.estimate_memory(shape, ts_planner.Options(seq=1)).trained_params
+    facts = ModelFacts(shape, "full", 16, ts_planner.LORA_TARGETS, "bfloat16", "float32", None, 28, trained,
+                       2 * trained, 2 * shape.total_params, 0)
+    gib = 1 << 30
+    gpu = ts_planner.Budget(vram_bytes=80 * gib, host_bytes=200 * gib, pinned_bytes=150 * gib, device_bytes=80 * gib)
+
+    def priced(budget, **options):
+        opts = parse_options({"quantize": None, **options})
+        plan, _ = decide._memory_plan(torch.device("cuda"), opts, ([], facts, budget), [], "float32")
+        return plan.plan.options.optimizer
+
+    assert priced(gpu) == "gpu"  # 1.5B's state (about 18 GiB with its gradients) fits in 80 GiB
+    assert priced(dataclasses.replace(gpu, vram_bytes=24 * gib)) == "host"  # beside a 2048-token step it does not
+    assert priced(gpu, offload=True) == "host"  # offload=True keeps it on the host
+    assert priced(gpu, optimizer_mode="gpu") == "host"  # mapped: in host memory, read over the link
+    assert priced(dataclasses.replace(gpu, device_bytes=None)) == "host"  # a CPU run: nothing moves

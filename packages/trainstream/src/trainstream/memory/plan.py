@@ -230,19 +230,21 @@ PACKED_RATIO = 0.7505  # exponent-packed bf16 of normal weights (1.5 bytes a val
 def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", moment_dtype="auto",
               activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1,
               tokens: tuple[int, int] = (PLAN_BATCH, PLAN_SEQ), compact_lora_inputs: bool = False,
-              stream_packing: bool = False, embedding_on_host: bool = False) -> WrapPlan:
+              stream_packing: bool = False, embedding_on_host: bool = False, optimizer: str = "host") -> WrapPlan:
     """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits ``tokens``
     (batch, sequence length; wrap() does not see the batch: PLAN_BATCH x PLAN_SEQ), NF4 when none does,
     so more VRAM never quantizes more; the run is refused (``fits`` False) when even one token per step
     does not fit. ``stream_packing``: wrap()'s option (streamed bf16 weights cross the link exponent-packed,
     priced at PACKED_RATIO of their bytes); ``embedding_on_host``: the frozen input embedding lives in host memory
-    (wrap()'s ``host_embedding``). Other arguments as ``ts_planner.plan_memory``'s."""
+    (wrap()'s ``host_embedding``); ``optimizer``: where the optimizer state is priced ("host", or "auto": in
+    VRAM where it fits beside the rest, as offload='auto' moves it). Other arguments as
+    ``ts_planner.plan_memory``'s."""
     batch, seq = tokens
     if facts.shape is None:
         return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks)
     shape = facts.shape
     args = dict(train=facts.train, lora_rank=facts.lora_rank, lora_targets=facts.lora_targets,
-                adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer="host", moment_dtype=moment_dtype,
+                adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer=optimizer, moment_dtype=moment_dtype,
                 activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by,
                 compact_lora_inputs=compact_lora_inputs, embedding_on_host=embedding_on_host)
     if stream_packing and streamed_blocks and facts.dtype == "bfloat16" and not facts.quantized and quantize in (None, "auto"):

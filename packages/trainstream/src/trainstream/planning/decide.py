@@ -111,6 +111,12 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
         streamed = _streamed_blocks(model, opts, blocks)
 
     memory, packing = _memory_plan(device, opts, inputs, streamed, moments)
+    if _optimizer_priced(opts, inputs[2]) == "auto" and memory.plan is not None:
+        on_gpu = memory.plan.options.optimizer == "gpu"
+        decisions.append(Decision("offload", "auto", (
+            "the plan prices the optimizer state in VRAM: it fits beside the predicted peak, so it moves there "
+            "once the activation policy settles" if on_gpu else
+            "the plan prices the optimizer state in host memory: it does not fit in VRAM beside the predicted peak")))
     if opts.stream_packing == "auto" and streamed:
         decisions.append(Decision("stream_packing", packing, "host RAM holds the packed copies beside the plain ones"
                                   if packing else "host RAM does not hold packed copies beside the plain ones"))
@@ -235,6 +241,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
     if facts.shape is None or not blocks:
         return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
     activations = _activations(opts, len(blocks))
+    optimizer = _optimizer_priced(opts, budget)
 
     def fewest(fmt):
         return _fewest_streamed(inputs, opts, fmt, moments)
@@ -249,7 +256,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
             note = " (prefer='exact': even with every block streamed the exact weights do not fit, so they are quantized)"
     if fmt == "auto":
         resident = plan_wrap(facts, budget, quantize="auto", moment_dtype=moments, activations=activations,
-                             streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts))
+                             streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer)
         if resident.plan is not None and resident.plan.fits:
             return False, ("param_offload='auto': none stream, quantize='auto' fits the weights"
                            + (note or " (prefer='speed'; pass quantize=None to stream exact weights instead)")), None
@@ -273,6 +280,7 @@ def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_S
     plan with all of them streamed when none does)."""
     blocks, facts, budget = inputs
     activations = _activations(opts, len(blocks))
+    optimizer = _optimizer_priced(opts, budget)
     frozen = sum(nbytes_of(frozen_params_of(b)) for b in blocks)
     shared_by = _streamed_shared_by(opts, frozen)  # an upper bound of what streams: room for it is room for less
     for count in range(len(blocks) + 1):
@@ -280,7 +288,7 @@ def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_S
                          streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
                          compact_lora_inputs=_compact_lora_inputs(opts, blocks),
                          stream_packing=opts.stream_packing is not False,
-                         embedding_on_host=_embedding_on_host(opts, facts))
+                         embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -292,6 +300,7 @@ def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moment
     """(ts-planner's plan for these options, stream_packing settled); PlanRefused (check_memory=True)
     when even one token per step does not fit."""
     blocks, facts, budget = inputs
+    optimizer = _optimizer_priced(opts, budget)
     auto = opts.quantize == "auto"
     quantize = ("auto" if device.type == "cuda" and not streamed else None) if auto else opts.quantize
     host_bytes = sum(nbytes_of(_stream_params(blocks[i])) for i in streamed)
@@ -301,7 +310,7 @@ def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moment
         return plan_wrap(facts, budget, quantize=quantize, moment_dtype=moments,
                          activations=_activations(opts, len(blocks)), streamed_blocks=len(streamed),
                          streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
-                         stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts))
+                         stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer)
 
     packing = opts.stream_packing is not False
     plan = planned(packing)
@@ -312,6 +321,15 @@ def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moment
     if not plan.fits and opts.check_memory:
         raise PlanRefused(plan.message)
     return plan, packing
+
+
+def _optimizer_priced(opts, budget) -> str:
+    """Where the plan prices the optimizer state: as the runtime will place it. On a GPU with offload='auto'
+    (host AdamW to start with) the state moves to VRAM once the activation policy settles, if it fits beside
+    the peak: the planner's "auto" prices it there exactly when it fits. Elsewhere it stays on the host.
+    (A budget read off a GPU knows the device's memory; the CPU's has none.)"""
+    on_gpu = budget.device_bytes is not None
+    return "auto" if on_gpu and opts.offload == "auto" and opts.optimizer_mode != "gpu" else "host"
 
 
 def _embedding_on_host(opts, facts) -> bool:
