@@ -60,7 +60,7 @@ class Stack(torch.nn.Module):
 
 
 def train(peer_option, args, device: str) -> dict:
-    from trainstream.memory import peer
+    from trainstream.weights import peer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Stack(args.width, args.blocks).to(device=device, dtype=dtype)

@@ -116,7 +116,7 @@ def run_scenario(name: str, scenario: dict, cap_gb: float | None, measure: bool)
     import trainstream
     import ts_planner
     from trainstream.memory.blocks import find_blocks
-    from trainstream.memory.plan import describe_model
+    from trainstream.memory.sizing import describe_model
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"

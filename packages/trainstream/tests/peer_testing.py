@@ -10,7 +10,7 @@ import socket
 import torch
 import trainstream
 from test_weights import _frozen_stack
-from trainstream.memory import peer
+from trainstream.weights import peer
 
 STEPS = peer.SETUP_STEP + 3  # the pool serves the last three steps
 

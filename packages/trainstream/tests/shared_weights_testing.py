@@ -13,7 +13,8 @@ import torch.distributed as dist
 import trainstream
 import ts_pinned
 from test_weights import _frozen_stack
-from trainstream.memory import shared_host, weights
+from trainstream.weights import shared_host
+from trainstream.weights import streamer as weights
 
 STEPS = 3
 GLOBAL = 4  # samples per step of the global batch

@@ -10,9 +10,9 @@ import ts_pinned
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_activations import Stack, _run
-from trainstream.memory import activations as activations_module
-from trainstream.memory.autotune import Meter
-from trainstream.memory.tuner import Measured, choose, spread, trial_candidates
+from trainstream.activations import policy as activations_module
+from trainstream.activations.autotune import Meter
+from trainstream.activations.tuner import Measured, choose, spread, trial_candidates
 
 measured = st.builds(
     Measured,
@@ -320,7 +320,7 @@ def test_a_batch_no_policy_fits_is_refused_before_it_runs_and_training_goes_on(f
     what was allocated before the forward does not: 4x the tokens needs 4 blocks' worth on top of it, over
     a budget of 4 (+static) blocks even with every block recomputed. Refused with the numbers, before any
     block runs; a measured-size batch then trains as before."""
-    from trainstream.memory.autotune import BatchRefused
+    from trainstream.activations.autotune import BatchRefused
 
     device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=3.0 + static_blocks)
     device.allocated = lambda: int(static_blocks * device.block_bytes)
@@ -350,7 +350,7 @@ def test_a_batch_no_policy_fits_is_refused_before_it_runs_and_training_goes_on(f
 def test_state_moved_to_vram_after_settling_counts_in_the_watchdog(fake_device):
     """offload='auto' moves the optimizer state to VRAM after the policy settled: the watchdog's base
     grows by it, so a longer forward that fitted before the move is refused after it."""
-    from trainstream.memory.autotune import BatchRefused
+    from trainstream.activations.autotune import BatchRefused
 
     device = fake_device(recompute_s=1.0, page_s=3.0, budget_blocks=4.0)
     model, opt = trainstream.wrap(Stack(depth=4), lr=1e-3, min_offload_bytes=0)

@@ -13,8 +13,8 @@ import trainstream
 import ts_pinned
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trainstream.memory.offload import ActivationOffloader
-from trainstream.memory.recompute import Recompute
+from trainstream.activations.offload import ActivationOffloader
+from trainstream.activations.recompute import Recompute
 from ts_testing import batches, loss_of, tiny_llama
 
 

@@ -14,10 +14,10 @@ import torch.utils.checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from trainstream.activations.recompute import Recompute
 from trainstream.attention import ATTENTION_MODES, AttentionChooser, _measure, check_attention_mode
 from trainstream.attention._calls import SdpaCall
 from trainstream.attention._measure import candidates, default_timer, deterministic_backends
-from trainstream.memory.recompute import Recompute
 
 MATH, FLASH = SDPBackend.MATH, SDPBackend.FLASH_ATTENTION
 _PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

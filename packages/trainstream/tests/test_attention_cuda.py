@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from test_attention import Stack, _tiny_qwen
 from test_attention_pins import sdpa_settings
+from trainstream.activations.recompute import Recompute
 from trainstream.attention import AttentionChooser
 from trainstream.attention._measure import NEAR_TIE
-from trainstream.memory.recompute import Recompute
 
 pytestmark = pytest.mark.cuda
 
@@ -114,7 +114,7 @@ _FIRST_CALL = textwrap.dedent("""
     import sys, torch, torch.nn.functional as F
     from trainstream.attention import AttentionChooser
 from trainstream.attention._measure import NEAR_TIE
-    from trainstream.memory.recompute import Recompute
+    from trainstream.activations.recompute import Recompute
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_attention import Attention, Stack, _grads, fake_timer
 from torch.nn.attention import SDPBackend
+from trainstream.activations.recompute import Recompute
 from trainstream.attention import AttentionChooser
-from trainstream.memory.recompute import Recompute
 
 MATH, FLASH = SDPBackend.MATH, SDPBackend.FLASH_ATTENTION
 _SWITCHES = ("cudnn", "flash", "mem_efficient", "math", "overrideable")

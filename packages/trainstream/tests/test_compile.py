@@ -149,7 +149,7 @@ def test_compiled_blocks_train_like_uncompiled_on_cuda(case, backend):
 def test_streamed_blocks_compile_their_forward_without_a_graph_break():
     # A streamed block's fetch hooks were its modules', so a compiled block (one backward node) could not
     # fetch where backward needed it (it failed in backward, a saved weight overwritten by the next fetch).
-    from trainstream.memory.compiled_forward import CompiledForward
+    from trainstream.activations.compiled_forward import CompiledForward
 
     model = tiny_llama(layers=4)
     model.config.use_cache = False
@@ -168,7 +168,7 @@ def test_streamed_blocks_compile_their_forward_without_a_graph_break():
 def test_compiled_streamed_blocks_unwrap_copy_and_load_like_plain_ones():
     # unwrap() gives the weights back as ordinary tensors under the compiled forward (it stays, as a compiled
     # block would); a copy gets the plain forward; a state loaded between steps is what the next step reads.
-    from trainstream.memory.compiled_forward import CompiledForward
+    from trainstream.activations.compiled_forward import CompiledForward
 
     model = tiny_llama(layers=4)
     model.config.use_cache = False
@@ -347,7 +347,7 @@ def test_an_unwrapped_recomputed_block_stays_compiled():
 def test_paged_blocks_compile_their_forward_and_a_copy_gets_the_plain_one():
     # A whole-block compile traced the paging's saved-tensor hooks into the graph; backward then failed
     # in its bookkeeping ("'Page' object is not callable": a weak reference rebuilt as a strong one).
-    from trainstream.memory.compiled_forward import CompiledForward
+    from trainstream.activations.compiled_forward import CompiledForward
 
     model = tiny_llama(layers=2)
     model.config.use_cache = False

@@ -1,4 +1,4 @@
-"""host_embedding (memory/host_embedding.py): a frozen, untied input embedding lives in page-locked host
+"""host_embedding (weights/host_embedding.py): a frozen, untied input embedding lives in page-locked host
 memory and the GPU gathers the rows it looks up over the link. Bit-exact against the table in VRAM (H200);
 which embeddings qualify, the refusals, and the plan's pricing run on the CPU."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import trainstream
 import ts_pinned
-from trainstream.memory.host_embedding import HostEmbedding, host_embedding_candidate
+from trainstream.weights.host_embedding import HostEmbedding, host_embedding_candidate
 from ts_testing import batches, tiny_llama, train
 
 peft = pytest.importorskip("peft")

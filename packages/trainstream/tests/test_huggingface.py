@@ -60,7 +60,7 @@ def test_torch_compile_compiles_the_decoder_blocks_and_trains_alike(tmp_path, op
     # The chunked loss runs the decoder itself, past the model Accelerate compiled: the blocks are
     # compiled in place at optimizer creation (without that, torch_compile=True compiled nothing here);
     # blocks whose weights stream compile their forward, their fetch hooks eager around it.
-    from trainstream.memory.compiled_forward import CompiledForward
+    from trainstream.activations.compiled_forward import CompiledForward
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

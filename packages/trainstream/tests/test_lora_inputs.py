@@ -1,4 +1,4 @@
-"""compact_lora_inputs (memory/lora_inputs.py): PEFT LoRA layers save their 16-bit input instead of the
+"""compact_lora_inputs (activations/lora_inputs.py): PEFT LoRA layers save their 16-bit input instead of the
 float32 copy; the gradients are the same bits, fewer bytes are saved, and anything unusual runs PEFT's
 own path."""
 
@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import trainstream  # noqa: E402
-from trainstream.memory.lora_inputs import CompactInputLinear, CompactLoraInputs, eligible_layers  # noqa: E402
+from trainstream.activations.lora_inputs import CompactInputLinear, CompactLoraInputs, eligible_layers  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -8,7 +8,7 @@ import copy
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trainstream.memory.offload import ActivationOffloader
+from trainstream.activations.offload import ActivationOffloader
 
 
 class _Scale(torch.autograd.Function):

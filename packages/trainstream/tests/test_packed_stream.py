@@ -1,4 +1,4 @@
-"""stream_packing=True: streamed frozen bf16 weights cross the link exponent-packed (memory/packed_source.py).
+"""stream_packing=True: streamed frozen bf16 weights cross the link exponent-packed (weights/packed_source.py).
 Training is bit-exact against streaming them as stored; fewer bytes cross; a frozen weight written in place
 or loaded is packed again before its next fetch; the option is refused when it is not a bool."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 import trainstream
-from trainstream.memory import packed_source
+from trainstream.weights import packed_source
 from ts_testing import batches, tiny_llama, train
 
 peft = pytest.importorskip("peft")

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 import trainstream
 from peer_testing import free_port, worker
 from test_weights import _frozen_stack
-from trainstream.memory import peer
+from trainstream.weights import peer
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -8,7 +8,7 @@ import statistics
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from trainstream.memory.placement_trial import MappedTrial
+from trainstream.engine.placement_trial import MappedTrial
 
 
 def test_a_faster_mapped_placement_is_kept_and_a_slower_one_reverted():

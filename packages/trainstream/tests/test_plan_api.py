@@ -183,7 +183,7 @@ def test_the_plan_prices_the_optimizer_state_where_offload_auto_will_put_it():
     import dataclasses
 
     from trainstream._options import parse_options
-    from trainstream.memory.plan import ModelFacts
+    from trainstream.memory.sizing import ModelFacts
     from trainstream.planning import decide
 
     shape = ts_planner.ModelShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True, qkv_bias=True)
@@ -203,3 +203,27 @@ def test_the_plan_prices_the_optimizer_state_where_offload_auto_will_put_it():
     assert priced(gpu, offload=True) == "host"  # offload=True keeps it on the host
     assert priced(gpu, optimizer_mode="gpu") == "host"  # mapped: in host memory, read over the link
     assert priced(dataclasses.replace(gpu, device_bytes=None)) == "host"  # a CPU run: nothing moves
+
+
+def test_the_schedule_of_run_time_transitions():
+    from trainstream._schedule import ATTENTION_AGREE_STEPS, PEER_SETUP_STEP, StepFacts, due
+
+    def facts(step, **kw):
+        return StepFacts(**{"step": step, "period": 0.1, "settled": False, "adapting": False, "trial": False,
+                            "world": 1, **kw})
+
+    assert due(facts(1)) == [] and due(facts(1, period=None, trial=True)) == []
+    assert due(facts(PEER_SETUP_STEP)) == ["peer_pools"]
+    assert due(facts(2, adapting=True)) == []  # waits for the settled policy
+    assert due(facts(2, adapting=True, settled=True, trial=True)) == ["optimizer_placement"]  # not both
+    assert due(facts(5, trial=True)) == ["mapped_trial"]
+    assert due(facts(ATTENTION_AGREE_STEPS, world=2)) == ["attention_agreement"]
+    assert due(facts(ATTENTION_AGREE_STEPS + 1, world=2)) == []
+
+
+def test_transitions_run_are_in_the_report():
+    model, opt = trainstream.wrap(tiny_llama(layers=2), lr=1e-3)
+    _train(model, opt, batches(2))
+    plan = trainstream.memory_report(model)["plan"]
+    assert plan["transitions"] == []  # on the CPU nothing adapts: one process, nothing to move
+    trainstream.unwrap(model)

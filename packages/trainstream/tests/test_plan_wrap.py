@@ -14,7 +14,7 @@ import trainstream
 import ts_planner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from trainstream.memory.plan import PLAN_SEQ, ModelFacts, PlanRefused, describe_model, plan_wrap
+from trainstream.memory.sizing import PLAN_SEQ, ModelFacts, PlanRefused, describe_model, plan_wrap
 from trainstream.planning import decide
 from ts_testing import batches, loss_of, tiny_llama
 

@@ -141,7 +141,7 @@ def test_auto_keeps_weights_on_the_cpu():
 
 
 def test_auto_picks_the_first_format_that_fits():
-    from trainstream.memory.quantize import choose_quantize
+    from trainstream.weights.quantize import choose_quantize
 
     model = _frozen_base()
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

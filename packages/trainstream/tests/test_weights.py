@@ -115,7 +115,7 @@ def test_bad_param_offload_is_refused_and_changes_nothing(options, message):
 
 
 def test_the_copy_timer_reads_completed_pairs_and_never_waits():
-    from trainstream.memory.copy_timer import CopyTimer
+    from trainstream.weights.copy_timer import CopyTimer
 
     class Event:
         def __init__(self, done, at):
@@ -141,7 +141,7 @@ def test_a_block_is_fetched_from_its_own_hooks_once_a_pass(monkeypatch):
     and once in backward, however many of its modules hold streamed weights (the host work per block;
     a compiled forward, one backward node, needs it so too)."""
     peft = pytest.importorskip("peft")
-    from trainstream.memory import weights as weights_module
+    from trainstream.weights import streamer as weights_module
 
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])

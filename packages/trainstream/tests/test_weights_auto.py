@@ -37,7 +37,7 @@ def lora_7b_on_meta():
 def _auto(model, opts):
     """param_offload='auto''s decision (planning/decide.py) on `model` for the CPU, as plan() makes it."""
     from trainstream.memory.blocks import find_blocks
-    from trainstream.memory.plan import describe_model
+    from trainstream.memory.sizing import describe_model
 
     blocks = find_blocks(model)
     facts = describe_model(model, blocks)
@@ -136,12 +136,12 @@ def test_wrap_streams_the_blocks_auto_chose_and_trains_like_resident(monkeypatch
 
 def test_local_ranks_sharing_the_streamed_copy_count_it_once_per_machine(lora_7b_on_meta, monkeypatch):
     """Under data parallel the streamed frozen weights are one /dev/shm copy per machine
-    (memory/shared_host.py): the plan counts each local rank's share, not a copy per rank."""
+    (weights/shared_host.py): the plan counts each local rank's share, not a copy per rank."""
     import collections
 
     import trainstream.distributed as tsd
     from trainstream.memory.blocks import find_blocks
-    from trainstream.memory.plan import describe_model, plan_wrap
+    from trainstream.memory.sizing import describe_model, plan_wrap
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(_decide.shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))

@@ -1,5 +1,5 @@
 """Under data parallel, the frozen weights every rank streams (param_offload=) are held once per
-machine: one /dev/shm region that the ranks map, filled by the lowest rank (memory/shared_host.py).
+machine: one /dev/shm region that the ranks map, filled by the lowest rank (weights/shared_host.py).
 2 gloo ranks on the CPU."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import trainstream
 from peer_testing import free_port
 from shared_weights_testing import GLOBAL, STEPS, global_batch, worker
 from test_weights import _frozen_stack
-from trainstream.memory import shared_host
-from trainstream.memory.weights import WeightStreamer
+from trainstream.weights import shared_host
+from trainstream.weights.streamer import WeightStreamer
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(shared_host.SHM_DIR), reason="no /dev/shm")
 

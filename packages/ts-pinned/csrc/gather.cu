@@ -1,5 +1,5 @@
 // gather_rows_cuda: one thread block per looked-up row; 16-byte loads where the row and both
-// pointers allow, bytes otherwise. Reads cross the link (about 55 GB/s on the H200's host), so a
+// pointers allow, bytes otherwise. Reads cross the link (tens of GB/s over PCIe; docs/pinned.md), so a
 // lookup of a few thousand rows costs tens of microseconds and never waits for the host.
 #include <cuda_runtime.h>
 

@@ -1,9 +1,9 @@
 // Pageable -> device copies through a ring of page-locked slots.
 //
-// The driver copies pageable memory synchronously and slowly (6.9 GB/s on the
-// H200 machine). Here all host cores fill slot i+1 while slot i crosses the
-// link as an asynchronous DMA, so the copy runs at the slower of the host's
-// memcpy rate and the link.
+// The driver copies pageable memory synchronously and slowly (a fraction of the
+// pinned link speed; measured: docs/pinned.md). Here all host cores fill slot
+// i+1 while slot i crosses the link as an asynchronous DMA, so the copy runs
+// at the slower of the host's memcpy rate and the link.
 #pragma once
 
 #include <cstddef>

@@ -29,9 +29,11 @@ from ._plot import plot_memory
 from ._report import memory_report, pinned_stats
 from ._session import TrainStreamSession
 from ._wrap import unwrap, wrap
+from .activations import ActivationOffloader
 from .engine import transfer_stats
-from .memory import ActivationOffloader, find_blocks, quantize_model
+from .memory import find_blocks
 from .planning import Decision, Plan, PlanRefused, plan
+from .weights import quantize_model
 
 __all__ = [
     "ActivationOffloader",

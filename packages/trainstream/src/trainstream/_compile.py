@@ -2,30 +2,30 @@
 
 What compiles (tests/test_compile.py): plain blocks and blocks of quantized LoRA layers whole (no graph
 break: ts-quant's quantized_linear is a custom op under tracing); blocks recomputed whole (variant
-"full") compile the forward their checkpoint runs, with the checkpoint eager around it (memory/recompute.py
+"full") compile the forward their checkpoint runs, with the checkpoint eager around it (activations/recompute.py
 says why); paged blocks and blocks whose weights stream from host memory compile their forward, with the
 paging hooks and the fetch hooks eager around it (CompiledForward; a compiled forward is one backward node,
 and the hook on the block output's gradient that fetches a streamed block runs before it); selectively
 recomputed blocks compile whole, with graph breaks around what dynamo cannot trace (the checkpoint, and a
 streamed block's fetch hooks, which never trace).
-Measured on the H200: the NF4 14B LoRA step at 1 x 512, host-bound in eager, stepped in 0.240 s against
-0.291 s with mode "default" (docs/results/compile-lora14b-nf4-h200-2026-12-04.log); with its bf16 base
-streamed, 0.457 s against 0.620 s eager on one host (docs/results/weights-compile-lora14b-bf16-h200-2026-12-04-s20.log).
+Compiling pays where a step is host-bound, as a LoRA step on a large quantized base is in eager: one compiled
+forward and backward per block replace most of that host work. Compiled, such a step took about a sixth less
+time, and about a quarter less with its bf16 base streamed (measured: docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .activations.compiled_forward import CompiledForward, plain_forward
+from .activations.recompute import Recompute
 from .memory import find_blocks
-from .memory.compiled_forward import CompiledForward, plain_forward
-from .memory.recompute import Recompute
 
 __all__ = ["COMPILE_MODES", "compile_blocks"]
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-# Refused: on the H200 (2026-12-04) CUDA graph trees stopped the 14B NF4 LoRA step at its second step
-# ("3 tensors in the cudagraph pool not tracked as outputs"). Likely ts-quant's per-stream stream-K state,
+# Refused: CUDA graph trees stopped an NF4 LoRA step at its second step ("3 tensors in the cudagraph
+# pool not tracked as outputs"; docs/benchmarks.md). Likely ts-quant's per-stream stream-K state,
 # created during a warm-up run (graph trees send the thread's allocations to their pool) and kept for
 # the process; allocating it on a side stream did not help. Not solved yet.
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

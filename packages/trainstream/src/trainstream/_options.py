@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import ts_adamw
 
+from .activations.policy import check_block_choice, check_param_offload
 from .attention import WRAP_DEFAULT, check_attention_mode
-from .memory.activations import check_block_choice, check_param_offload
-from .memory.peer import check_peer_option
-from .memory.quantize import check_quantize
+from .weights.peer import check_peer_option
+from .weights.quantize import check_quantize
 
 __all__ = ["WrapOptions", "parse_options"]
 

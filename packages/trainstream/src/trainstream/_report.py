@@ -86,11 +86,12 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         report["attention"] = session.attention.report()
     if session.engine.step_hook is not None:
         report["distributed"] = distributed_report(session.engine)
-    plan = getattr(session, "plan", None)  # the plan made at wrap() (memory/plan.py: WrapPlan.to_dict)
+    plan = getattr(session, "plan", None)  # the plan made at wrap() (memory/sizing.py: WrapPlan.to_dict)
     if plan is not None:
         plan = {**plan, "target_vram": (plan.get("budget") or {}).get("usable_vram_bytes"),
                 "settled": not session.adapting and bool(getattr(session.activations, "settled", True)),
-                "history": [str(e) for e in session.events if e.kind in ("plan", "switch")]}
+                "history": [str(e) for e in session.events if e.kind in ("plan", "switch")],
+                "transitions": list(session.transitions)}
     report["plan"] = plan
     clock = getattr(session, "stalls", None)
     report["stalls"] = clock.recent() if clock is not None else []

@@ -12,17 +12,18 @@ import ts_pinned
 from ._dropped import track
 from ._events import EventLog
 from ._options import WrapOptions
+from ._schedule import ATTENTION_AGREE_STEPS, StepFacts, due
 from ._stalls import StallClock
 from ._weak import weakly
+from .activations.policy import ActivationPolicy
 from .attention import AttentionChooser, resolve_wrap_default
 from .distributed.sharding import host_shares
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
 from .engine.hooks import EngineHook
+from .engine.placement_trial import MappedTrial
 from .engine.slots import dense_layout_problem
-from .memory import peer
-from .memory.activations import ActivationPolicy
-from .memory.placement_trial import MappedTrial
-from .memory.plan import GiB, device_state_bytes, vram_budget
+from .memory.sizing import GiB, device_state_bytes, vram_budget
+from .weights import peer
 
 __all__ = ["TrainStreamSession"]
 
@@ -67,14 +68,15 @@ class TrainStreamSession:
         self.adapting = False
         self.trial = None  # a MappedTrial while offload='auto' measures host against mapped AdamW
         self._last_step_at = None  # perf_counter at the previous step(): the trial's step periods
-        self.peer = None  # the ts-peer pool the streamed weights come from, once set up (memory/peer.py)
+        self.transitions: list[dict] = []  # the run-time transitions of the plan run so far (_schedule.py)
+        self.peer = None  # the ts-peer pool the streamed weights come from, once set up (weights/peer.py)
         self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
         self.engine = None
         self.guard = None
         self.activations = None
         self.attention = self._attention = None
         self.weights = weights  # the WeightStreamer of param_offload=, attached below
-        self.host_embedding = None  # memory/host_embedding.py: the input embedding's table in host memory
+        self.host_embedding = None  # weights/host_embedding.py: the input embedding's table in host memory
         self.stalls = None  # the StallClock timing the training loop's waits (_stalls.py), from __init__'s end
         self._handles: list = []
         self._hooks: list[EngineHook] = []
@@ -280,17 +282,18 @@ class TrainStreamSession:
         now = time.perf_counter()
         period = None if self._last_step_at is None else now - self._last_step_at
         self._last_step_at = now
-        if self.steps == peer.SETUP_STEP:
-            self.peer = peer.setup_peer(self.weights, self.config.peer, self.device, self.config.vram_headroom,
-                                        self.events)
-        if self.adapting and settled:
-            self._adapt()
-        elif self.trial is not None and period is not None:
-            self._advance_trial(period)
-        if self.world > 1 and self.steps <= ATTENTION_AGREE_STEPS:
-            self._agree_on_attention()
+        facts = StepFacts(self.steps, period, settled, self.adapting, self.trial is not None, self.world)
+        run = {"peer_pools": self._set_up_peer_pools, "optimizer_placement": self._adapt,
+               "mapped_trial": lambda: self._advance_trial(period), "attention_agreement": self._agree_on_attention}
+        for name in due(facts):  # _schedule.py owns what happens at which step
+            self.transitions.append({"step": self.steps, "transition": name})
+            run[name]()
         if self.stalls is not None:
             self.stalls.step_finished()
+
+    def _set_up_peer_pools(self) -> None:
+        self.peer = peer.setup_peer(self.weights, self.config.peer, self.device, self.config.vram_headroom,
+                                    self.events)
 
     def _agree_on_attention(self) -> None:
         """attention='auto' under data parallel: after each of the first steps every rank takes the mean
@@ -399,7 +402,7 @@ class TrainStreamSession:
     def install_host_embedding(self, embedding) -> None:
         """host_embedding: the frozen input embedding's table moves to page-locked host memory (or an event
         says why it stays)."""
-        from .memory.host_embedding import HostEmbedding
+        from .weights.host_embedding import HostEmbedding
 
         table = HostEmbedding(embedding, self.device, self.arena)
         try:
@@ -455,7 +458,6 @@ class TrainStreamSession:
                 self._observe(None)  # the owners' views refer to the clock: nothing keeps it once closed
 
 
-ATTENTION_AGREE_STEPS = 3  # attention='auto' under data parallel: the steps after which ranks agree
 
 
 def _own_share(trained: list[ParamSlot], world: int) -> list[ParamSlot]:

@@ -14,12 +14,12 @@ from ._session import TrainStreamSession
 from .engine import SlotState
 from .memory.allocator import use_expandable_segments
 from .memory.blocks import find_blocks
-from .memory.host_embedding import host_embedding_candidate
-from .memory.quantize import quantize_model
-from .memory.weights import WeightStreamer
 from .planning import Plan
 from .planning import plan as make_plan
 from .planning.plan import fingerprint
+from .weights.host_embedding import host_embedding_candidate
+from .weights.quantize import quantize_model
+from .weights.streamer import WeightStreamer
 
 __all__ = ["unwrap", "wrap"]
 

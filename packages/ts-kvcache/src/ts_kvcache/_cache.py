@@ -316,17 +316,17 @@ class PagedKVCache:
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         # Memory torch has cached counts as free, except the holes inside segments still in use
-        # ("inactive split" blocks): a layer's buffer rarely fits in one. (On the H200 a third
-        # generate() in one process planned 0.77 GiB of such holes as free and ran out of memory.)
+        # ("inactive split" blocks): a layer's buffer rarely fits in one. (Counting such holes as free,
+        # a third generate() in one process ran out of memory; docs/kvcache.md.)
         holes = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
         free += torch.cuda.memory_reserved(device) - allocated - holes
         # A cap set with torch.cuda.set_per_process_memory_fraction is not in mem_get_info.
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
         free = max(0, min(free, int(fraction * total) - allocated - holes))
         # vram_fraction of the free VRAM, but never into 1.25 x the caller's estimated working set: the
-        # estimate leaves out attention scores, sampling and the allocator's slack. (On the H200 the
-        # Qwen2.5-7B shape at batch 128 peaked at the weights + the cache + 1.23 GiB, TrainStreamCache's
-        # estimate to 1 %; twice it, the earlier margin, kept 1.2 GiB idle and 3 more layers off the GPU.)
+        # estimate leaves out attention scores, sampling and the allocator's slack. (The measured peak
+        # matched TrainStreamCache's estimate to about 1 %; twice it, the earlier margin, left about the
+        # working set's size of VRAM idle and kept more layers off the GPU; docs/kvcache.md.)
         budget = int(max(0, min(self.vram_fraction * free, free - working_bytes - working_bytes // 4)))
         self.plan.update(free_vram=free, working_bytes=working_bytes, budget=budget)
         if self.num_layers * layer_bytes <= budget:

@@ -77,7 +77,8 @@ class _StreamKState:
     fill is part of that graph, which is fine: zeroed flags and epoch are a valid state before any launch.
     Created during a warm-up run of torch.compile's CUDA graph trees, it lands in their graph pool (they
     route every allocation of the thread there) and outlives the graph, which they refuse: the likely
-    cause of reduce-overhead stopping on the H200 (2026-12-04; allocating on a side stream did not help).
+    cause of reduce-overhead stopping a training run at its second step (docs/benchmarks.md; allocating on
+    a side stream did not help).
     """
 
     def __init__(self, device: torch.device, slots: int) -> None:

@@ -14,9 +14,9 @@ from ._tiled import tiled_linear
 
 __all__ = ["QuantLinear", "configure_linear", "linear_path", "quantized_linear"]
 
-# tiles: measured on the H200, tiling only added launches (tiles=4 was slowest).
-# fused: the Hopper fused kernel where it applies, up to fused_max_rows rows of x. Measured on the
-# H200 (W 13824x5120, docs/quant.md): fused is faster up to 1024 rows, one dequantize plus cuBLAS's
+# tiles: off (1), since tiling only added launches and was slower at every tile count (docs/quant.md).
+# fused: the Hopper fused kernel where it applies, up to fused_max_rows rows of x. Measured
+# (W 13824x5120, docs/quant.md): fused is faster up to 1024 rows, one dequantize plus cuBLAS's
 # bf16 matmul from 1536 rows on.
 _settings = {"tiles": 1, "fused": True, "fused_max_rows": 1024, "cache": True}
 # torch scaled_mm paths this torch build refused (its feature checks fail the same way on every call).

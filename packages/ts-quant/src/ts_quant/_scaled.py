@@ -11,7 +11,7 @@ scaled_mm with [BlockWise1x16, TensorWise] recipes and SWIZZLE_32_4_4 scales.
 Optional outliers: the input channels with the largest |x| are zeroed before
 the 4-bit quantization and multiplied in the input dtype against the same
 weight columns. The emulations compute the same quantized operands and
-multiply them in fp32: that is what the CPU tests check, since the H200 has no
+multiply them in fp32: that is what the CPU tests check, since Hopper GPUs have no
 FP4 tensor cores.
 """
 

@@ -61,9 +61,9 @@ WRAP_DEFAULT = "auto on one GPU"
 def resolve_wrap_default(mode: str, device: torch.device, world: int, events) -> str:
     """``mode`` as given, or for WRAP_DEFAULT the mode it stands for here (with an event saying why).
 
-    "auto" is the reference's default. On the H200 it was as fast or faster at 2,048 tokens; on the
-    host-bound 14B LoRA at 512 tokens every mode's kernels took the same GPU time within 1.2 % and the
-    wall times differed by the host's run-to-run spread (docs/attention.md, "What ran where"). On the
+    "auto" is the reference's default. It was as fast or faster at 2,048 tokens; on a host-bound
+    LoRA step at 512 tokens every mode's kernels took about the same GPU time and the wall times
+    differed only by run-to-run spread (measured: docs/attention.md, "What ran where"). On the
     CPU torch has two kernels and its own pick is fine: measuring each
     new shape would cost more than it saves. With data parallel every rank would measure on its own
     and might pin a different kernel (different numerics per rank): a named backend pins one on all.

@@ -27,9 +27,9 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIE
             "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 _NAMES = {backend: name for name, backend in BACKENDS.items()}
 # Backends within this fraction of the fastest count as tied, and a tie goes to PyTorch's earlier one.
-# Timing noise on a warm GPU is a few percent: on the H200 cudnn and efficient swapped places between
-# two measurements of one shape (0.417 / 0.409 ms, then 0.425 / 0.496 ms), and a choice that flips
-# between runs changes a run's numerics (docs/results/gpu-tests-h200-2026-12-01-g.log).
+# Timing noise on a warm GPU is a few percent: two backends close in speed can swap places between
+# two measurements of one shape, and a choice that flips between runs changes a run's numerics
+# (docs/attention.md).
 NEAR_TIE = 0.05
 # Relative error (max |x - ref| / max |ref|, output and gradients) a backend may show against the
 # math backend in float32 before it is refused; or 4x what the math backend itself shows in the dtype.
@@ -82,9 +82,9 @@ def disabled_by_caller(backend: SDPBackend) -> str:
 
 
 # Why cuDNN is not measured for a call whose keys outnumber its queries (a KV cache: decoding, chunked
-# prefill). cuDNN attention builds a graph per key length, and a cache grows every step: on the H200
-# (torch 2.11) decoding a Qwen2.5-7B shape spent 43 ms of host time per step in it, four times the GPU's
-# work (docs/results/kvcache-sdpa-h200-2026-12-03.log). A measurement at one length cannot see that cost.
+# prefill). cuDNN attention builds a graph per key length, and a cache grows every step: decoding spent
+# tens of ms of host time per step in it, several times the GPU's work (measured: docs/attention.md).
+# A measurement at one length cannot see that cost.
 GROWING_KEYS = ("the keys outnumber the queries (a KV cache, growing every step), and cuDNN builds its graph "
                 "again for each new key length: tens of ms of host time per step")
 

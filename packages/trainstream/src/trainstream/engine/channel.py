@@ -162,8 +162,8 @@ class CudaChannel:
 
         The tensor is allocated while the H2D stream is current: memory the compute stream just freed may
         still be read by its queued kernels, and only the stream that freed a block may reuse it at once (a
-        copy on another stream into compute-freed memory corrupted training: NaN at 4 x 2048, H200
-        2026-12-01). The caller hands it to the stream that uses it (``record_stream``)."""
+        copy on another stream into compute-freed memory corrupted training with NaN). The caller hands
+        it to the stream that uses it (``record_stream``)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
             if after is not None:
                 self.h2d.wait_event(after)

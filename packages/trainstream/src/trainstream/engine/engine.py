@@ -70,7 +70,7 @@ class UpdateEngine(ChannelOwner):
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
         # Mapped slots update in step()'s fused launch (no per-tensor hooks) instead of during backward:
-        # set by offload="auto"'s placement trial (memory/placement_trial.py) before it places them.
+        # set by offload="auto"'s placement trial (engine/placement_trial.py) before it places them.
         self.fused_mapped = False
         self.seed = seed
         self.guard_params = guard_params

@@ -29,7 +29,7 @@ from ts_pinned import _core as _pinned_core
 from ts_quant import QuantLinear
 
 from .. import find_blocks
-from ..memory.quantize import block_linears, check_quantize, quantize_model, size_estimates
+from ..weights.quantize import block_linears, check_quantize, quantize_model, size_estimates
 
 __all__ = ["load_model"]
 

@@ -116,8 +116,8 @@ def generation_working_bytes(text_config, max_tokens: int = 0):
     tensors and four residual-stream tensors for every token of the forward, and the last token's
     logits in float32 twice (the logits and the copy sampling makes). With eager attention, also its
     score matrices (float32, twice: scores and softmax) against up to ``max_tokens`` keys, which the
-    fused attention kernels never materialize. (On the H200, Qwen2.5-7B shape, SDPA, batch 128 in
-    chunks of 64 tokens, the estimate matched the measured working set to 1 %.)"""
+    fused attention kernels never materialize. (With SDPA on a Qwen2.5-7B shape the estimate matched
+    the measured working set to about 1 %; docs/kvcache.md.)"""
     hidden = int(getattr(text_config, "hidden_size", 0) or 0)
     intermediate = int(getattr(text_config, "intermediate_size", 0) or 4 * hidden)
     vocab = int(getattr(text_config, "vocab_size", 0) or 0)

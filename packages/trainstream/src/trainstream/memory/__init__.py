@@ -1,10 +1,9 @@
-"""Where the model's bytes live: sizing and placement decisions (``plan``), the repeated block
-stack (``blocks``) and frozen weights stored quantized (``quantize``). Weight streaming,
-activation paging and recomputation, and the planner's application land here.
+"""What the model's state costs and where it may go: the sizing rules and ts-planner's memory model applied
+to the live model (``sizing``: host state bytes, the moment-dtype rule, the priced plan), the repeated
+block stack (``blocks``) and the CUDA caching allocator's setting (``allocator``). The decisions built on
+these are in ``trainstream.planning``; weights and activations have their own packages.
 """
 
 from .blocks import find_blocks
-from .offload import ActivationOffloader
-from .quantize import quantize_model
 
-__all__ = ["ActivationOffloader", "find_blocks", "quantize_model"]
+__all__ = ["find_blocks"]

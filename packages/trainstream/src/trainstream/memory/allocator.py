@@ -1,9 +1,9 @@
 """PyTorch's CUDA caching allocator, set so the plan's numbers hold: expandable segments.
 
 The plan and the activation tuner count allocated bytes. With the allocator's default fixed-size
-segments, memory freed inside a partly used segment serves only requests that fit in it: on the H200
-(24 GB cap) a 1.5B full fine-tune at 4 x 2048 ran out of VRAM at step 3 asking for 4.64 GiB (the fp32
-logits) with 4.80 GiB reserved but unallocated (docs/results/plan-accuracy-full1.5b_2k-h200-2026-12-01.log).
+segments, memory freed inside a partly used segment serves only requests that fit in it: a full
+fine-tune under a VRAM cap ran out of memory asking for its fp32 logits while more than that was
+reserved but unallocated (measured: docs/benchmarks.md).
 Expandable segments map physical pages into segments that grow, so freed memory serves any size.
 
 The setting is process-wide and applies to segments made after it; it is switched once, at the first

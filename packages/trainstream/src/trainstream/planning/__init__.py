@@ -3,7 +3,7 @@ changes, and returns a frozen ``Plan`` (each decision with its reason, the price
 ``wrap(model, optimizer, plan=...)`` applies it and decides nothing again. What only the first
 training steps can measure adapts the plan at run time, as logged events (``memory_report()``)."""
 
-from ..memory.plan import PlanRefused
+from ..memory.sizing import PlanRefused
 from .decide import plan
 from .plan import Decision, Plan
 

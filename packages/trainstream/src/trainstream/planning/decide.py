@@ -27,11 +27,10 @@ import ts_planner
 from .._config import Config
 from .._dropped import collect_dropped
 from .._options import WrapOptions, parse_options
-from ..memory.activations import blocks_of, streamed_blocks_of
+from ..activations.lora_inputs import eligible_layers
+from ..activations.policy import blocks_of, streamed_blocks_of
 from ..memory.blocks import find_blocks
-from ..memory.host_embedding import host_embedding_candidate
-from ..memory.lora_inputs import eligible_layers
-from ..memory.plan import (
+from ..memory.sizing import (
     PLAN_BATCH,
     PLAN_SEQ,
     PlanRefused,
@@ -43,8 +42,9 @@ from ..memory.plan import (
     vram_budget,
     wrap_budget,
 )
-from ..memory.quantize import choose_quantize
-from ..memory.streamed_block import frozen_params_of, nbytes_of, streams_trained, trained_params_of
+from ..weights.host_embedding import host_embedding_candidate
+from ..weights.quantize import choose_quantize
+from ..weights.streamed_block import frozen_params_of, nbytes_of, streams_trained, trained_params_of
 from .plan import Decision, Plan, fingerprint
 
 __all__ = ["decide", "plan", "trained_params", "training_device"]
@@ -348,10 +348,10 @@ def _compact_lora_inputs(opts, blocks) -> bool:
 
 def _streamed_shared_by(opts, nbytes: int) -> int:
     """How many processes of this machine will map one host copy of ``nbytes`` of streamed weights, as
-    WeightStreamer shares them (memory/shared_host.py): the local ranks under data parallel when
+    WeightStreamer shares them (weights/shared_host.py): the local ranks under data parallel when
     /dev/shm has room for the copy, else 1 (private copies)."""
     from .. import distributed as tsd
-    from ..memory import shared_host
+    from ..weights import shared_host
 
     world = tsd.world_of(opts.distributed)
     if world < 2 or nbytes <= 0:

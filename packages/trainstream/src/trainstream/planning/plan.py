@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .._options import WrapOptions
-from ..memory.plan import WrapPlan
+from ..memory.sizing import WrapPlan
 
 __all__ = ["Decision", "Plan", "fingerprint"]
 

@@ -241,7 +241,7 @@ class ActivationOffloader(ChannelOwner):
     def _fetch(self, page: Page) -> None:
         """Brings `page` back on the H2D stream, after its D2H copy (backward can reach the last paged
         block while the copies of its pages are still in flight: a fetch reading the host block before
-        then read stale bytes; NaN on the H200, 2026-12-03)."""
+        then read stale bytes and gave NaN)."""
         if page.fetched is not None or page.host is None:
             return
         page.fetched, page.fetched_event = self.channel.to_new_device_tensor(

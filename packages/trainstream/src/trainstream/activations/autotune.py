@@ -24,7 +24,7 @@ import time
 import torch
 import ts_planner
 
-from .plan import GiB, PlanRefused, vram_budget
+from ..memory.sizing import GiB, PlanRefused, vram_budget
 from .tuner import Choice, Measured, choose, trial_candidates
 
 __all__ = ["ActivationTuner", "BatchRefused", "CudaMeter", "Meter"]
@@ -155,9 +155,9 @@ class ActivationTuner:
     pages (the optimizer's uploads, the streamed weights). ``reserved_vram_bytes``: a callable giving the VRAM the
     optimizer state will move into once the policy settles (offload='auto'); kept activations leave
     it free when the state fits at all, since a state in VRAM removed more time than kept
-    activations saved (lora14b with a streamed bf16 base on the H200: every block recomputed with the
-    state in VRAM 0.728 s a step, against 0.852-0.876 s keeping 15-19 blocks' activations with the
-    state left on the host; docs/results/lora14b-bf16-*-h200-2026-12-02.log)."""
+    activations saved (a 14B LoRA step with a streamed bf16 base was faster with every block
+    recomputed and the state in VRAM than keeping some blocks' activations with the state left on the
+    host; measured: docs/benchmarks.md)."""
 
     def __init__(self, blocks: int, meter: Meter, events, *, page: bool, recompute: bool,
                  reserved_link_bytes=lambda: 0, reserved_vram_bytes=lambda: 0):
@@ -295,7 +295,7 @@ class ActivationTuner:
             self.phase = "trial"
         elif self.meter.compilations() != self._compilations_at_start and self._retimed < MAX_RETIMED:
             # Compiled blocks compile at their first call (and the paths a new setting takes, at theirs):
-            # on the H200 a recompute trial timed with its compiles took 22.3 s against about 1 s.
+            # a trial timed with its compiles can take tens of times its real step (docs/benchmarks.md).
             self._retimed += 1
             self._event(f"trial: {self.describe(self.current)}: torch.compile compiled during the step "
                         f"({seconds * 1e3:.0f} ms): timed again in the next step")
@@ -323,8 +323,8 @@ class ActivationTuner:
     def _fewer_pages(self, m: Measured) -> Choice | None:
         """Once, when every paging trial lost to paging nothing: a trial with half the pages of the
         smallest one tried. The planned count assumes the copies hide behind compute at LINK_SHARE of
-        the link; on the H200 (14B LoRA at 1 x 2048) trials paging 22-33 blocks each lost to recomputing
-        them (docs/results/lora14b-2k-h200-2026-12-03.log), and fewer pages may still beat recomputing."""
+        the link; where every trial paging many blocks lost to recomputing them (seen with a 14B LoRA at
+        1 x 2048, docs/benchmarks.md), fewer pages may still beat recomputing."""
         if self._refined or not (self.page and self.recompute):
             return None
         self._refined = True
@@ -377,9 +377,8 @@ class ActivationTuner:
 
     def _back_off(self, retries: int) -> Choice | None:
         """A settled step ran at the cap (the allocator freed its cache and retried, synchronizing the
-        GPU each time): half the kept blocks recompute or page from the next step on. On the H200 a
-        14B LoRA step near the cap took 1.04-1.11 s against 0.73 s with every block recomputed
-        (docs/results/lora14b-bf16-recompute-*-h200-2026-12-02.log)."""
+        GPU each time): half the kept blocks recompute or page from the next step on. A step near the
+        cap took about 1.5x as long as one with every block recomputed (measured: docs/benchmarks.md)."""
         before = self.current
         kept = len(before.kept)
         if kept == 0:

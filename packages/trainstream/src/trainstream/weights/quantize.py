@@ -11,7 +11,7 @@ import torch
 import ts_pinned
 from ts_quant import FORMATS, QuantizedTensor, QuantLinear
 
-from .blocks import find_blocks
+from ..memory.blocks import find_blocks
 
 __all__ = ["QUANTIZE_CHOICES", "block_linears", "choose_quantize", "quantize_model", "size_estimates"]
 

@@ -1,7 +1,7 @@
 """peer=: the frozen blocks every rank streams are pooled in the GPUs' VRAM (ts-peer) and copied
 GPU to GPU instead of from host memory.
 
-Set up collectively at step ``SETUP_STEP`` on every rank of the default process group (the VRAM
+Set up collectively at step ``SETUP_STEP`` (``trainstream._schedule.PEER_SETUP_STEP``) on every rank of the default process group (the VRAM
 each step leaves is known by then and the activation policy has settled), only when weights
 stream, the group has more than one rank and all of them are on this machine. Each rank gives
 its pool ``peer=`` bytes, or with ``"auto"`` half the room under the VRAM budget after the
@@ -14,11 +14,12 @@ import os
 
 import torch
 
-from .plan import GiB, vram_budget
+from .._schedule import PEER_SETUP_STEP
+from ..memory.sizing import GiB, vram_budget
 
 __all__ = ["SETUP_STEP", "check_peer_option", "setup_peer"]
 
-SETUP_STEP = 10
+SETUP_STEP = PEER_SETUP_STEP  # trainstream._schedule owns the step; kept here for the pool's users
 
 
 def check_peer_option(value):

@@ -14,8 +14,8 @@ import torch
 import ts_planner
 
 from ..engine.hooks import EngineHook
+from ..memory.blocks import find_blocks
 from .autotune import ActivationTuner, CudaMeter, Meter
-from .blocks import find_blocks
 from .lora_inputs import CompactLoraInputs, eligible_layers
 from .offload import ActivationOffloader
 from .recompute import Recompute, uses_hf_checkpointing
@@ -43,7 +43,7 @@ def check_block_choice(name: str, value):
 def check_param_offload(value):
     """param_offload=: the blocks whose frozen weights stream from host memory."""
     if value == "auto":
-        return "auto"  # wrap() asks the plan (memory/plan.py) which blocks must stream
+        return "auto"  # wrap() asks the plan (memory/sizing.py) which blocks must stream
     try:
         return check_block_choice("param_offload", value)
     except ValueError:
@@ -128,7 +128,7 @@ class ActivationPolicy:
             variant = options.recompute_variant
             if may_recompute and variant == "selective" and tuned:
                 # The tuner prices a recomputed block at its inputs alone; selective blocks also keep
-                # their matmul outputs (H200, 14B at 1 x 2048: out of memory in the probe step).
+                # their matmul outputs, so the plan ran out of memory in its probe step (docs/benchmarks.md).
                 variant = "full"
                 events.add("activations", "recompute_variant='selective' is for blocks named with recompute=True "
                                           "or a list; recompute='auto' recomputes whole blocks, since it prices a "
@@ -160,10 +160,9 @@ class ActivationPolicy:
                 events.add("activations", self.decision)
 
     def _compact_lora_inputs(self, model, asked) -> None:
-        """compact_lora_inputs ("auto": on where PEFT layers qualify, silently off elsewhere). On the H200 (14B
-        NF4, LoRA r=16, 1 x 512, one process each, same host) it kept every block's activations in VRAM
-        (0.099 against 0.156 GiB a block) and stepped 0.385 against 0.431 s
-        (docs/results/lora14b-compact-ab-h200-2026-12-03.log)."""
+        """compact_lora_inputs ("auto": on where PEFT layers qualify, silently off elsewhere). Saving the bf16
+        source instead of PEFT's float32 copy shrinks what a LoRA block saves (a quarter to a third less), so more
+        blocks' activations stay in VRAM and the step can be faster (measured: docs/benchmarks.md)."""
         if asked is False:
             return
         layers = eligible_layers(self.blocks or [model])
