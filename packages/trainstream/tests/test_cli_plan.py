@@ -171,3 +171,32 @@ def test_a_mixture_of_experts_config_counts_every_expert(tmp_path, capsys):
                            capsys)[1])
     # Its bf16 weights alone are 87 GiB: in 24 GB only quantized codes, streamed blocks or both can fit.
     assert plan["quantize"] is not None or plan["streamed_blocks"] > 0
+
+
+# Flags that describe the run or the machine rather than set an option of wrap().
+RUN_FLAGS = {"--help", "--model", "--config", "--size", "--batch", "--seq", "--lora-rank", "--full", "--vram-gb",
+             "--host-gb", "--local-ranks", "--measure", "--json"}
+
+
+def test_flags_and_decisions_use_the_configuration_s_names(capsys):
+    import argparse
+
+    from trainstream import _config
+
+    options = set(_config.GROUP_OF) | {"loss_chunk_size"}  # TrainStreamTrainer's own option
+    for action in cli._plan_parser()._actions:
+        flags = [f for f in action.option_strings if f.startswith("--")]
+        if not flags or action.help == argparse.SUPPRESS or flags[0] in RUN_FLAGS:
+            continue
+        assert flags[0][2:].replace("-", "_") in options, flags[0]
+    _code, out = _run(["--size", "14b", "--lora", "16", "--vram-gb", "24", "--host-gb", "100", "--json"], capsys)
+    decisions = json.loads(out)["decisions"]
+    assert {d["option"] for d in decisions} <= options and all(d["reason"] for d in decisions)
+    by_option = {d["option"]: d["value"] for d in decisions}
+    assert by_option["param_offload"] and by_option["quantize"] is None  # prefer="exact": bf16 blocks stream
+    # The older spellings still work and mean the same.
+    old = json.loads(_run(["--size", "14b", "--lora", "16", "--vram-gb", "24", "--host-gb", "100", "--json",
+                           "--streamed-blocks", "12", "--optimizer", "host", "--loss-chunk", "512"], capsys)[1])
+    new = json.loads(_run(["--size", "14b", "--lora", "16", "--vram-gb", "24", "--host-gb", "100", "--json",
+                           "--param-offload", "0.25", "--offload", "true", "--loss-chunk-size", "512"], capsys)[1])
+    assert old == new and new["streamed_blocks"] == 12 and new["optimizer"] == "host"

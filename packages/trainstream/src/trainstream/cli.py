@@ -310,6 +310,16 @@ PLAN_EXIT_REFUSED = 3
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 
 
+def _param_offload(text: str):
+    """--param-offload: "auto", a fraction in [0, 1] (with a decimal point), or a count of blocks."""
+    if text == "auto":
+        return "auto"
+    if "." in text:
+        value = _number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")(text)
+        return ("fraction", value)
+    return _non_negative_int(text)
+
+
 def _plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainstream plan", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -333,13 +343,20 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="frozen block weights (auto: only when nothing else fits; LoRA only)")
     parser.add_argument("--prefer", choices=["exact", "speed"], default="exact",
                         help="speed: quantize before streaming any block from host RAM")
-    parser.add_argument("--optimizer", choices=["auto", "host", "gpu"], default="auto",
-                        help="where AdamW's state lives (default: the GPU when it fits)")
+    # Options are named as wrap()'s (trainstream.Config's fields); the planner's older spellings stay as
+    # hidden aliases (test_cli_plan.py checks the names).
+    parser.add_argument("--offload", choices=["auto", "true"], default=None,
+                        help="as wrap()'s offload: auto (the default) prices AdamW's state in VRAM where it fits "
+                             "beside the rest, as the run moves it; true keeps it in host memory")
+    parser.add_argument("--optimizer", choices=["auto", "host", "gpu"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--moment-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    parser.add_argument("--streamed-blocks", type=_non_negative_int, default=None, metavar="N",
-                        help="blocks whose weights stream from host RAM (default: the fewest that fit)")
-    parser.add_argument("--loss-chunk", type=_positive_int, default=None, metavar="TOKENS",
-                        help="tokens per chunk of trainstream's chunked loss (default: full logits, as HF)")
+    parser.add_argument("--param-offload", type=_param_offload, default=None, metavar="auto|FRACTION|N",
+                        help="as wrap()'s param_offload: the blocks whose weights stream from host RAM; auto (the "
+                             "default) the fewest that fit, a fraction in [0, 1] that share of the blocks, N blocks")
+    parser.add_argument("--streamed-blocks", dest="param_offload", type=_non_negative_int, help=argparse.SUPPRESS)
+    parser.add_argument("--loss-chunk-size", "--loss-chunk", dest="loss_chunk", type=_positive_int, default=None,
+                        metavar="TOKENS", help="as TrainStreamTrainer's loss_chunk_size: tokens per chunk of the "
+                                               "chunked loss (default: full logits, as Hugging Face computes them)")
     parser.add_argument("--vram-gb", type=_positive_float, default=None,
                         help="GPU memory to plan for, GB (default: this GPU, its per-process fraction applied)")
     parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_positive_float, default=None,
@@ -384,6 +401,20 @@ def _plan_shape(args, parser):
         parser.error(str(error))
 
 
+def _decisions(plan) -> list[dict]:
+    """The planner's choices as trainstream.plan()'s decisions: wrap()'s option names and values."""
+    o = plan.options
+    out = [{"option": "quantize", "value": o.quantize},
+           {"option": "param_offload", "value": list(plan.streamed) or False},
+           {"option": "offload", "value": "auto" if o.optimizer == "gpu" else True},
+           {"option": "moment_dtype", "value": o.moment_dtype}]
+    reasons = dict(c.split(": ", 1) for c in plan.choices if ": " in c)
+    keys = {"quantize": "quantize", "param_offload": "weights", "offload": "optimizer", "moment_dtype": "moments"}
+    for d in out:
+        d["reason"] = reasons.get(keys[d["option"]], "as asked")
+    return out
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     """`trainstream plan`: prints the plan (or with --json one object); 0 when it fits, 3 when nothing does."""
     import ts_planner
@@ -404,18 +435,22 @@ def plan_main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:  # no GPU here and no --vram-gb
         parser.error(f"{error}; pass --vram-gb")
     lora = args.lora_rank is not None
+    layers = shape.num_hidden_layers
+    streamed = "auto" if args.param_offload in (None, "auto") else (
+        round(args.param_offload[1] * layers) if isinstance(args.param_offload, tuple) else args.param_offload)
+    optimizer = args.optimizer or {None: "auto", "auto": "auto", "true": "host"}[args.offload]
     try:
         plan = ts_planner.plan_memory(
             shape, budget, batch=args.batch, seq=args.seq, train="lora" if lora else "full",
             lora_rank=args.lora_rank or 16, quantize=args.quantize,
-            optimizer=args.optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
-            streamed_blocks="auto" if args.streamed_blocks is None else args.streamed_blocks, prefer=args.prefer,
+            optimizer=optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
+            streamed_blocks=streamed, prefer=args.prefer,
             streamed_shared_by=ranks)
     except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
         parser.error(str(error))
     rates = "measured rates" if profile is not None else "default rates (--measure for this machine's)"
     if args.as_json:
-        print(json.dumps({"model": name, **plan.to_dict(), "rates": rates}, indent=1))
+        print(json.dumps({"model": name, **plan.to_dict(), "decisions": _decisions(plan), "rates": rates}, indent=1))
     else:
         print(f"trainstream plan: {name}; budget: {budget.vram_bytes / 1e9:.1f} GB VRAM, {budget.host_bytes / 1e9:.1f} GB "
               f"host RAM ({budget.source}); {rates}")
