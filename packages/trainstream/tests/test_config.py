@@ -10,7 +10,7 @@ import pytest
 import trainstream
 from trainstream import _config as cfg
 from trainstream._options import WrapOptions
-from ts_testing import batches, loss_of, tiny_llama
+from ts_testing import batches, tiny_llama, train
 
 # The keywords the reference documents (../shared/spec: 0.4.1 and 0.6 option tables) that this wrap() has.
 REFERENCE = {"optimizer_mode": "cpu", "offload": True, "moment_dtype": "bfloat16", "max_grad_norm": 0.5,
@@ -69,13 +69,7 @@ def test_files_json_and_yaml(tmp_path):
 
 def _run(**wrap_args) -> tuple[list[float], list]:
     model, opt = trainstream.wrap(tiny_llama(layers=4), **wrap_args)
-    losses = []
-    for ids in batches(4):
-        loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, opt, batches(4))
     decisions = [(d["option"], d["value"]) for d in trainstream.memory_report(model)["plan"]["decisions"]]
     trainstream.unwrap(model)
     return losses, decisions

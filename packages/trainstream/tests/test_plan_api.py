@@ -11,18 +11,8 @@ import torch
 import trainstream
 import ts_pinned
 import ts_planner
-from ts_testing import batches, loss_of, tiny_llama
-
-
-def _train(model, opt, data) -> list[float]:
-    losses = []
-    for ids in data:
-        loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+from ts_testing import batches, tiny_llama
+from ts_testing import train as _train
 
 
 def _params(model) -> list:
