@@ -102,3 +102,17 @@ def test_trainers_take_a_config_or_groups():
         "quantize": "nf4", "chunked_loss": False}  # the trainer's own keys pass through to it
     with pytest.raises(ValueError, match=r"takes a dict of options or a trainstream\.Config"):
         cfg.trainer_options(["quantize"])
+
+
+def test_offload_adamw_takes_the_optimizer_group_of_the_config():
+    model = tiny_llama()
+    config = trainstream.OptimizerConfig(max_grad_norm=0.5, moment_dtype="bfloat16", offload=True)
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-3, config=config, accumulation_steps=2)
+    assert opt.wrap_options == {"max_grad_norm": 0.5, "moment_dtype": "bfloat16", "offload": True,
+                                "accumulation_steps": 2}
+    resolved = dict(trainstream.plan(model, opt).resolved)
+    assert (resolved["max_grad_norm"], resolved["offload"], resolved["accumulation_steps"]) == (0.5, True, 2)
+    with pytest.raises(ValueError, match="the learning rate is OffloadAdamW's lr argument"):
+        trainstream.OffloadAdamW(model.parameters(), lr=1e-3, config=trainstream.OptimizerConfig(lr=0.5))
+    with pytest.raises(ValueError, match=r"takes a trainstream\.OptimizerConfig"):
+        trainstream.OffloadAdamW(model.parameters(), config={"max_grad_norm": 1.0})

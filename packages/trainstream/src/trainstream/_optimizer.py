@@ -46,9 +46,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     stream to host memory during backward and updates overlap it. ``unwrap()`` detaches it again,
     leaving the state in ``.state``; either way training continues from the same state.
 
-    ``mode`` (``"cpu"``, ``"gpu"``, ``"auto"``), ``max_grad_norm``, ``accumulation_steps`` and
-    ``moment_dtype`` are the engine settings ``wrap()`` uses for this optimizer unless its own
-    options say otherwise. Without a model attached, updates run on host threads whatever ``mode``
+    ``mode`` (``"cpu"``, ``"gpu"``, ``"auto"``: ``wrap()``'s ``optimizer_mode``), ``max_grad_norm``,
+    ``accumulation_steps`` and ``moment_dtype`` are the engine settings ``wrap()`` uses for this optimizer
+    unless its own options say otherwise; ``config`` (a ``trainstream.OptimizerConfig``) gives any of the
+    optimizer group's settings at once (the keywords above win over it). Without a model attached, updates run on host threads whatever ``mode``
     says, ``max_grad_norm`` clips at ``step()``, gradients accumulate in ``.grad`` as torch's do
     (``accumulation_steps`` is for the engine), and ``moment_dtype="bfloat16"`` keeps bf16 moments
     (``"auto"``: float32).
@@ -57,7 +58,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  mode: str | None = None, max_grad_norm: float | None = None,
-                 accumulation_steps: int | None = None, moment_dtype: str | torch.dtype | None = None):
+                 accumulation_steps: int | None = None, moment_dtype: str | torch.dtype | None = None,
+                 config=None):
         check_hyper({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}, "")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         self._session = None  # set by wrap()
@@ -65,7 +67,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Engine settings given here are wrap()'s defaults for this optimizer, checked now.
         given = {"optimizer_mode": mode, "max_grad_norm": max_grad_norm,
                  "accumulation_steps": accumulation_steps, "moment_dtype": moment_dtype}
-        self.wrap_options = {k: v for k, v in given.items() if v is not None}
+        self.wrap_options = {**_config_settings(config, lr), **{k: v for k, v in given.items() if v is not None}}
         _check_engine_settings(self.wrap_options)
         super().__init__(params, defaults)
 
@@ -236,6 +238,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         session.synchronize()
         if shared is not None:
             shared.share_weights(sorted(loaded, key=lambda s: s.index))  # the owners rewrote them from masters
+
+
+def _config_settings(config, lr: float) -> dict:
+    """The engine settings an ``OptimizerConfig`` (``config=``) gives: the fields it changes from their defaults.
+    Its ``lr`` is the optimizer's own argument here, so a different one is refused rather than ignored."""
+    if config is None:
+        return {}
+    from ._config import OptimizerConfig  # at call time, as _check_engine_settings
+
+    if not isinstance(config, OptimizerConfig):
+        raise ValueError(f"OffloadAdamW(config=...) takes a trainstream.OptimizerConfig, not {type(config).__name__}")
+    settings = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    defaults = OptimizerConfig()
+    if settings.pop("lr") not in (defaults.lr, lr):
+        raise ValueError(f"OffloadAdamW: config.lr={config.lr!r} differs from lr={lr!r}; the learning rate is "
+                         f"OffloadAdamW's lr argument")
+    return {k: v for k, v in settings.items() if v != getattr(defaults, k)}
 
 
 def _check_engine_settings(settings: dict) -> None:
