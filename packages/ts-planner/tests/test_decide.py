@@ -199,3 +199,13 @@ def test_a_plan_is_refused_on_page_locked_ram_alone(train):
     assert "page-locked RAM" in plan.reason and plan.reason.startswith("no plan fits")
     assert not check_plan(QWEN_1_5B, tight, plan.options).fits
     assert plan_memory(QWEN_1_5B, dataclasses.replace(roomy, pinned_bytes=need), **fixed).fits
+
+
+def test_fp32_moments_are_kept_before_the_optimizer_s_place():
+    # Llama-3-8B, LoRA r=16 in 24 GB: the state fits in host RAM with fp32 moments, so bf16 moments are not
+    # chosen just to keep the optimizer state on the GPU (they were, with the message "fp32 did not fit").
+    llama3_8b = ModelShape(4096, 14336, 32, 32, 8, 128256)
+    budget = Budget(vram_bytes=24 * 10**9, host_bytes=100 * GiB, pinned_bytes=80 * GiB)
+    plan = plan_memory(llama3_8b, budget, train="lora", seq=2048)
+    assert plan.fits and plan.options.moment_dtype == "float32"
+    assert plan_memory(llama3_8b, budget, train="lora", seq=2048, moment_dtype="float32").fits

@@ -228,8 +228,10 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
         quants = (None,) if train == "full" else _QUANT_AUTO
     else:
         quants = (dataclasses.replace(base, quantize=quantize).quantize,)  # validated by Options
-    combos = [(opt, mom) for opt in _auto(optimizer, "optimizer", ("gpu", "host"))
-              for mom in _auto(moment_dtype, "moment_dtype", ("float32", "bfloat16"))]
+    # fp32 moments before the optimizer's place: bf16 moments only where no fp32 combination fits at these
+    # reductions (trainstream's rule too: fp32 unless it does not fit), never to keep the state in VRAM.
+    combos = [(opt, mom) for mom in _auto(moment_dtype, "moment_dtype", ("float32", "bfloat16"))
+              for opt in _auto(optimizer, "optimizer", ("gpu", "host"))]
     if streamed_blocks == "auto":
         s_range = None
     elif isinstance(streamed_blocks, int) and not isinstance(streamed_blocks, bool) and 0 <= streamed_blocks <= layers:
@@ -382,5 +384,6 @@ def _choices(shape, o: Options, quantize, streamed, activations, optimizer, mome
         out.append(f"optimizer: on the {o.optimizer}" + (" (its state fits in VRAM)" if o.optimizer == "gpu"
                                                          else " (its state does not fit in VRAM beside the rest)"))
     if moment_dtype == "auto":
-        out.append(f"moments: {o.moment_dtype}" + ("" if o.moment_dtype == "float32" else " (fp32 did not fit)"))
+        out.append(f"moments: {o.moment_dtype}" + ("" if o.moment_dtype == "float32" else
+                                                   " (fp32 moments did not fit beside this plan's other choices)"))
     return tuple(out)
