@@ -156,7 +156,8 @@ def test_a_bad_config_and_no_gpu_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
         cli.main(["plan", "--size", "7b"])
-    assert stop.value.code == 2 and "pass --vram-gb" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "pass --vram-gb" in err and "vram_bytes" not in err  # the flag, not the argument
 
 
 def test_a_mixture_of_experts_config_counts_every_expert(tmp_path, capsys):

@@ -24,7 +24,12 @@ from ts_testing import tiny_llama
         ({"lr": -1}, "lr=-1 is not valid"),
         ({"check_memory": "yes"}, "check_memory='yes' is not valid"),
         ({"device": "tpu"}, "device='tpu' is not"),
-        ({"quantize_weights": True}, "unknown wrap() option(s): quantize_weights"),
+        ({"quantize_weights": True}, "unknown wrap() option(s): 'quantize_weights'"),
+        ({"quantise": "nf4"}, "unknown wrap() option(s): 'quantise' (did you mean 'quantize'?)"),
+        ({"max_grad_norm": 10**400}, "max_grad_norm=1000"),  # too large for a float: a ValueError too
+        ({"lr": 10**400}, "is not valid; use a finite number >= 0"),
+        ({"vram_headroom": 10**400}, "is not valid; use a fraction in [0, 1)"),
+        ({"quantize": "nf4"}, "freeze the base and train LoRA adapters (peft), or use quantize=None"),
         ({"seed": "x"}, "seed='x' is not valid; use an integer in [0, "),
         ({"seed": -1}, "seed=-1 is not valid"),
         ({"seed": 2**70}, f"seed={2**70} is not valid"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Any
 
@@ -99,7 +100,9 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     known = {f.name for f in dataclasses.fields(WrapOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown wrap() option(s): {', '.join(unknown)}; valid options: {', '.join(sorted(known))}")
+        guesses = [f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+                   for name in unknown for close in [difflib.get_close_matches(name, known, n=1)]]
+        raise ValueError(f"unknown wrap() option(s): {', '.join(guesses)}; valid options: {', '.join(sorted(known))}")
     opts = WrapOptions(**options)
     opts.quantize = check_quantize(opts.quantize)
     for name in _CHOICES:
@@ -153,7 +156,10 @@ def _integer(name: str, value: Any, low: int, high: int, prefix: str = "") -> in
 
 
 def _real(name: str, value: Any, valid: str, *, positive: bool = False, upper: float | None = None) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400)
+        ok = False
     ok = ok and (value > 0 if positive else value >= 0) and (upper is None or value < upper)
     if not ok:
         raise ValueError(f"{name}={value!r} is not valid; use {valid}")

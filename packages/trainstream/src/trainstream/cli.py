@@ -432,8 +432,8 @@ def plan_main(argv: list[str] | None = None) -> int:
         budget = ts_planner.machine_budget(
             vram_bytes=None if args.vram_gb is None else int(args.vram_gb * 1e9),
             host_bytes=None if args.host_gb is None else int(args.host_gb * 1e9), processes=ranks, profile=profile)
-    except RuntimeError as error:  # no GPU here and no --vram-gb
-        parser.error(f"{error}; pass --vram-gb")
+    except RuntimeError:  # no GPU here and no --vram-gb
+        parser.error("this machine has no CUDA device: pass --vram-gb (the GPU memory to plan for, in GB)")
     lora = args.lora_rank is not None
     layers = shape.num_hidden_layers
     streamed = "auto" if args.param_offload in (None, "auto") else (
