@@ -148,3 +148,19 @@ def test_causal_lm_logprobs_match_the_model_logits():
     ref = (logp.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1) * (target != -100)).sum(1)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert decoder_and_head(torch.nn.Linear(3, 3)) is None
+
+
+def test_bf16_runs_the_layers_in_bf16_as_the_stock_trainer_does(tmp_path):
+    """bf16=True: the chunked loss runs the decoder inside the Trainer's autocast, as the stock forward does
+    (it ran in float32 before), and the losses follow the stock trainer's."""
+    runs = {}
+    for name, cls in (("stock", Trainer), ("ours", TrainStreamTrainer)):
+        model = tiny_llama()
+        seen = []
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda module, args, output, seen=seen: seen.append(output.dtype) if module.training else None)
+        trainer = cls(model=model, args=_args(tmp_path / name, bf16=True, max_steps=3), train_dataset=_Rows())
+        trainer.train()
+        runs[name] = (set(seen), _losses(trainer))
+    assert runs["stock"][0] == runs["ours"][0] == {torch.bfloat16}
+    assert runs["ours"][1] == pytest.approx(runs["stock"][1], rel=2e-2)  # bf16 rounding, chunked against whole

@@ -317,8 +317,11 @@ class TrainStreamTrainer(TrainStreamMixin, Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         decoder, head = parts
-        return causal_lm_loss(_hidden(decoder, inputs), head.weight, inputs["labels"], head.bias,
-                              chunk_size=self._ts_chunk, num_items=num_items_in_batch)
+        # The stock path runs the model's forward, which Accelerate wraps in its mixed-precision autocast;
+        # the decoder called directly here would run outside it (bf16=True training in float32).
+        with self.accelerator.autocast():
+            return causal_lm_loss(_hidden(decoder, inputs), head.weight, inputs["labels"], head.bias,
+                                  chunk_size=self._ts_chunk, num_items=num_items_in_batch)
 
 
 class TrainStreamCallback(TrainerCallback):
