@@ -230,3 +230,22 @@ def test_a_saved_wrapped_model_loads_as_a_plain_one():
     loaded = torch.load(buffer, weights_only=False)
     assert torch.equal(loaded(input_ids=ids).logits, expected)
     trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_under_autocast_every_linear_trains_as_peft_does(dtype):
+    """bf16 autocast (TRL's default bf16=True) with LoRA on every projection, o_proj included: the compact
+    layers cast as autocast does for F.linear, so loss and gradients are PEFT's bits (this crashed in
+    backward with a dtype mismatch before)."""
+    model = _lora_qwen(dtype)
+    reference = copy.deepcopy(model)
+    installed = CompactLoraInputs(eligible_layers(_blocks(model)))
+    assert len(installed.layers) == 2 * len(TARGETS)
+    ids = torch.randint(0, 101, (2, 17))
+    runs = []
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    _assert_same_bits(*runs)

@@ -28,8 +28,7 @@ FEATURES: tuple[PrototypeFeature, ...] = (
     PrototypeFeature(
         "compact_lora_inputs", False,
         "PEFT LoRA layers save their 16-bit input for backward instead of PEFT's float32 copy",
-        "a LoRA run whose activation policy keeps more blocks with it is faster in a same-run A/B on a GPU, "
-        "and it handles autocast on every target (o_proj and all-linear under bf16 autocast)"),
+        "a LoRA run whose activation policy keeps more blocks with it is faster in a same-run A/B on a GPU"),
     PrototypeFeature(
         "stream_packing", False,
         "streamed bf16 weights cross the host link exponent-packed (lossless, about 0.75 of the bytes)",

@@ -56,26 +56,35 @@ def _take_source(x: torch.Tensor) -> torch.Tensor | None:
 class _LinearSavingSource(torch.autograd.Function):
     """``F.linear(x, weight)`` for ``x == source.to(x.dtype)``, saving ``source`` instead of ``x``.
     Backward runs the products autograd runs for ``F.linear`` without bias (matmul folded to one mm:
-    grad_x = grad @ W, grad_W = grad.T @ x), so the gradients are the same bits."""
+    grad_x = grad @ W, grad_W = grad.T @ x), so the gradients are the same bits. ``cast``: the autocast
+    dtype the call ran under (None: none), applied as autocast applies it to ``F.linear``: both operands cast
+    to it for the products, each gradient cast back to its operand's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, source):
+    def forward(ctx, x, weight, source, cast):
         ctx.save_for_backward(source, weight)
-        ctx.x_dtype, ctx.x_shape = x.dtype, x.shape
-        return F.linear(x, weight)
+        ctx.x_dtype, ctx.x_shape, ctx.cast = x.dtype, x.shape, cast
+        if cast is None:
+            return F.linear(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(cast), weight.to(cast))
 
     @staticmethod
     def backward(ctx, grad):
         source, weight = ctx.saved_tensors
+        cast = ctx.cast
+        w = weight if cast is None else weight.to(cast)
         out_features, in_features = weight.shape
         grad2d = grad.reshape(-1, out_features)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad2d.mm(weight).view(ctx.x_shape)
+            grad_x = grad2d.mm(w).view(ctx.x_shape)
+            grad_x = grad_x if cast is None else grad_x.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             x2d = source.to(ctx.x_dtype).reshape(-1, in_features)
-            grad_w = grad2d.t().mm(x2d)
-        return grad_x, grad_w, None
+            grad_w = grad2d.t().mm(x2d if cast is None else x2d.to(cast))
+            grad_w = grad_w if cast is None else grad_w.to(weight.dtype)
+        return grad_x, grad_w, None, None
 
 
 class CompactInputLinear(nn.Linear):
@@ -88,7 +97,9 @@ class CompactInputLinear(nn.Linear):
         source = _take_source(x)
         if source is None or self.bias is not None or not torch.is_grad_enabled():
             return super().forward(x)
-        return _LinearSavingSource.apply(x, self.weight, source)
+        device = x.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return _LinearSavingSource.apply(x, self.weight, source, cast)
 
 
 def eligible_layers(modules) -> list[nn.Module]:
