@@ -164,3 +164,20 @@ def test_bf16_runs_the_layers_in_bf16_as_the_stock_trainer_does(tmp_path):
         runs[name] = (set(seen), _losses(trainer))
     assert runs["stock"][0] == runs["ours"][0] == {torch.bfloat16}
     assert runs["ours"][1] == pytest.approx(runs["stock"][1], rel=2e-2)  # bf16 rounding, chunked against whole
+
+
+def test_wrap_warns_nothing_deprecated_and_still_sees_hf_checkpointing():
+    import warnings
+
+    from trainstream.activations.recompute import uses_hf_checkpointing
+
+    model = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        wrapped, _ = trainstream.wrap(model, lr=1e-3)
+        trainstream.unwrap(wrapped)
+    blocks = list(model.model.layers)
+    assert not uses_hf_checkpointing(model, blocks)
+    model.gradient_checkpointing_enable()
+    assert uses_hf_checkpointing(model, blocks)

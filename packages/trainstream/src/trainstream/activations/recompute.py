@@ -101,7 +101,8 @@ class Recompute:
 
 
 def uses_hf_checkpointing(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> bool:
-    """True when Hugging Face gradient checkpointing is on (``gradient_checkpointing_enable()``)."""
-    if getattr(model, "is_gradient_checkpointing", False) is True:
-        return True
-    return any(getattr(b, "gradient_checkpointing", False) is True for b in blocks)
+    """True when Hugging Face gradient checkpointing is on (``gradient_checkpointing_enable()``): some module's
+    ``gradient_checkpointing`` flag is set, which is what transformers' own property reads (its name changed
+    in transformers 5, ``is_gradient_checkpointing`` deprecated for ``is_activation_checkpointing``; the flag
+    did not)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in (*model.modules(), *blocks))
