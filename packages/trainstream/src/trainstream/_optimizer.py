@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Iterable
 
@@ -168,12 +167,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         return loss
 
     def train(self) -> None:
-        """transformers.Trainer calls this (through Accelerate) at each training step: an attached
-        optimizer refuses a Trainer whose clipping or accumulation it would not honour (the
-        Trainer's own clipping sees no gradients: they left the GPU during backward)."""
-        if self._session is not None and "transformers" in sys.modules:
-            from .integrations.huggingface import _refuse_unhonoured_trainer
-            _refuse_unhonoured_trainer(self)
+        """transformers.Trainer calls this (through Accelerate) at each training step. While attached, the
+        check wrap() installed for the training loop runs here (``_loop_check``: the Hugging Face
+        integration's refuses a Trainer whose clipping or accumulation the engine would not honour, the
+        Trainer's own clipping seeing no gradients); the optimizer itself knows no training loop."""
+        check = getattr(self, "_loop_check", None) if self._session is not None else None
+        if check is not None:
+            check(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Attached: gradients already left the GPU; this drops any that wait for a step that never came.

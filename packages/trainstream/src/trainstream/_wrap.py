@@ -4,6 +4,7 @@ model and the optimizer are as they were before the call."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -119,9 +120,11 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
         if carried:
             _migrate_state(session, carried)
         converted._session = session
+        converted._loop_check = _training_loop_check()
         model._trainstream_session = session
     except BaseException:
         converted._session = None
+        converted._loop_check = None
         with contextlib.suppress(Exception):
             del model._trainstream_session
         if session is not None:
@@ -135,6 +138,17 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
     if converted is optimizer:
         optimizer.state.clear()  # the state lives in the engine now
     return model, converted
+
+
+def _training_loop_check():
+    """What an attached optimizer's ``train()`` checks of the loop that drives it: with transformers loaded,
+    the Hugging Face integration's refusal of a Trainer whose clipping or accumulation the engine would not
+    honour (integrations/huggingface.py, the one place that knows the Trainer); None otherwise."""
+    if "transformers" not in sys.modules:
+        return None
+    from .integrations.huggingface import _refuse_unhonoured_trainer
+
+    return _refuse_unhonoured_trainer
 
 
 def _weight_streamer(model: torch.nn.Module, device: torch.device, opts, streamed: tuple[int, ...]) -> WeightStreamer:
@@ -193,5 +207,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             for slot in session.engine.active:
                 optimizer.state[slot.param] = slot.export()
             optimizer._session = None
+            optimizer._loop_check = None
         del model._trainstream_session
     return model
