@@ -58,7 +58,7 @@ class TrainStreamSession:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device, plan, *,
-                 weights=None):
+                 weights=None, quantized: dict | None = None):
         self.model = model
         self.optimizer = optimizer
         self.config = options
@@ -70,7 +70,7 @@ class TrainStreamSession:
         self._last_step_at = None  # perf_counter at the previous step(): the trial's step periods
         self.transitions: list[dict] = []  # the run-time transitions of the plan run so far (_schedule.py)
         self.peer = None  # the ts-peer pool the streamed weights come from, once set up (weights/peer.py)
-        self.quantized = None  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
+        self.quantized = quantized  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
         self.engine = None
         self.guard = None
         self.activations = None

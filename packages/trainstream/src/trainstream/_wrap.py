@@ -97,7 +97,8 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
             _move_except(model, device, streamer.param_ids)
         elif any(p.device != device for p in model.parameters()) or quantized:
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
-        session = TrainStreamSession(model, converted, opts, device, plan, weights=streamer)
+        session = TrainStreamSession(model, converted, opts, device, plan, weights=streamer,
+                                     quantized={"quantize": fmt, **quantized} if quantized else None)
         if embedding is not None:
             session.install_host_embedding(embedding)
         memory = plan.memory
@@ -113,7 +114,6 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
         if plan.decision("quantize"):
             session.events.add("quantize", plan.decision("quantize").reason)
         if quantized:
-            session.quantized = {"quantize": fmt, **quantized}
             session.events.add("quantize", f"{quantized['tensors']} frozen linear weights of the blocks stored as "
                                            f"{fmt}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
                                            f"{quantized['bytes_after'] / 2**30:.2f} GiB")

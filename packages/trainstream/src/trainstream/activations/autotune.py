@@ -176,7 +176,6 @@ class ActivationTuner:
         self.history: list[str] = []
         self._forward_start = None
         self._probe_start = None
-        self._alloc_at_start = 0
         self._trial = 0
         self._refined = False  # the one trial between paging nothing and the fewest pages tried
         self._marks: dict[int, list] = {}  # block -> [start, end] marks of the current step
@@ -210,7 +209,6 @@ class ActivationTuner:
         """The probed block's forward starts."""
         self.meter.reset_peak()
         self.meter.synchronize()
-        self._alloc_at_start = self.meter.allocated()
         self._probe_start = self.meter.now()
 
     def probe_end(self, probe_bytes: int) -> Choice:

@@ -103,7 +103,8 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
     moments = _dtype_name(host.moment_dtype)
 
     facts = describe_model(model, blocks)
-    if facts.train == "full" and opts.quantize not in ("auto", None) and not facts.quantized:
+    if (opts.quantize not in ("auto", None) and not facts.quantized and blocks
+            and all(p.requires_grad for b in blocks for p in b.parameters())):  # nothing frozen to store quantized
         raise ValueError(f"quantize={opts.quantize!r} stores frozen weights, and every parameter of this model trains "
                          f"(a full fine-tune): freeze the base and train LoRA adapters (peft), or use quantize=None")
     inputs = (blocks, facts, wrap_budget(device, opts, facts))
