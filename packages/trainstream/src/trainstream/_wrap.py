@@ -14,7 +14,6 @@ from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
 from .engine import SlotState
 from .memory.allocator import use_expandable_segments
-from .memory.blocks import find_blocks
 from .planning import Plan
 from .planning import plan as make_plan
 from .planning.plan import fingerprint
@@ -153,7 +152,7 @@ def _training_loop_check():
 
 def _weight_streamer(model: torch.nn.Module, device: torch.device, opts, streamed: tuple[int, ...]) -> WeightStreamer:
     """The streamer of the plan's streamed blocks."""
-    blocks = list(opts.blocks) if opts.blocks is not None else find_blocks(model)
+    blocks = list(opts.blocks)  # the plan's (planning/decide.py found them)
     return WeightStreamer(blocks, streamed, device=device, prefetch_depth=opts.weights_prefetch_depth,
                           shared=opts.distributed, trained=None)
 

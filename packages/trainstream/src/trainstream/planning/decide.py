@@ -132,7 +132,8 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
         fmt, why = _quantize_decision(model, device, opts, memory)
     if why:
         decisions.append(Decision("quantize", fmt, why))
-    resolved = dataclasses.replace(opts, quantize=fmt)
+    # The blocks found here are the ones applying uses (the streamer, the activation policy): found once.
+    resolved = dataclasses.replace(opts, quantize=fmt, blocks=blocks or None)
     return Plan(device=device, streamed_blocks=tuple(streamed), quantize=fmt, moment_dtype=host.moment_dtype,
                 memory=memory, host_message=host.message, host_state_bytes=host.needed_own,
                 decisions=tuple(decisions), notes=tuple(notes), resolved=tuple(resolved.as_dict().items()),
