@@ -9,7 +9,7 @@ import torch
 import trainstream
 from ts_quant import QuantLinear
 from ts_quant.reference import quantize_reference
-from ts_testing import batches, loss_of, tiny_llama
+from ts_testing import batches, loss_of, tiny_llama, train
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
 
@@ -185,3 +185,48 @@ def test_memory_report_names_the_quantized_blocks_and_outliers():
     plain, _ = trainstream.wrap(tiny_llama(), lr=1e-3)
     assert trainstream.memory_report(plain)["params"] == {"quantize": None, "quantized_blocks": [], "outliers": 0.0}
     trainstream.unwrap(plain)
+
+
+def _trained_quantized_lora(fmt: str, **options):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                           lr=2e-2), quantize=fmt, **options)
+    train(model, opt, batches(4))
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_merge_and_unload_on_a_quantized_base_keeps_the_trained_adapter(fmt):
+    model = _trained_quantized_lora(fmt)
+    ids = batches(1, seed=5)[0]
+    lora = _logits(model, ids)
+    with model.disable_adapter():
+        base = _logits(model, ids)
+    with pytest.warns(UserWarning, match="stored quantized again"):
+        merged_model = model.merge_and_unload()
+    merged = _logits(merged_model, ids)
+    moved = (lora - base).norm()
+    assert moved > 0.05 * lora.norm()  # training moved the adapter
+    assert (merged - lora).norm() < 0.25 * moved  # the merge keeps it, up to the format's rounding
+
+
+def test_merge_into_a_streamed_quantized_base_is_refused_until_unwrap():
+    model = _trained_quantized_lora("nf4", param_offload=True)
+    assert any(getattr(m, "assign_refusal", None) for m in model.modules() if isinstance(m, QuantLinear))
+    ids = batches(1, seed=5)[0]
+    lora = _logits(model, ids)
+    before = [m.qweight.data.clone() for m in model.modules() if isinstance(m, QuantLinear)]
+    with pytest.raises(RuntimeError, match="unwrap"):
+        model.merge_adapter()
+    after = [m.qweight.data for m in model.modules() if isinstance(m, QuantLinear)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing half-merged
+    trainstream.unwrap(model)
+    with pytest.warns(UserWarning, match="stored quantized again"):
+        merged = _logits(model.merge_and_unload(), ids)
+    assert (merged - lora).norm() < 0.25 * lora.norm()

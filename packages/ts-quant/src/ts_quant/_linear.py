@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -283,14 +284,65 @@ def quantized_linear(x: torch.Tensor, qweight: QuantizedTensor, bias: torch.Tens
                     float(outliers), plan)
 
 
+MERGE_ROUNDING_WARNING = (
+    "a new weight assigned to a quantized layer (PEFT's merge_adapter / merge_and_unload do this) is stored "
+    "quantized again: the merged model's outputs differ from the unmerged adapter's by that rounding (each layer's "
+    "largest error is its rounding_error). For outputs equal to the adapter's, keep it unmerged, or merge it into "
+    "a 16-bit copy of the base weights")
+
+
+class _DecodedWeight(torch.Tensor):
+    """What ``QuantLinear.weight`` returns: the decoded weight, a fresh copy, except for ``.data`` assignment.
+
+    PEFT merges an adapter into its base layer by assigning ``base_layer.weight.data`` (``weight.data +=
+    delta`` and ``weight.data = merged``; unmerging likewise). On a plain copy that assignment would change
+    the copy alone and the merge would be lost without a word, so here it stores the new values in the
+    layer, quantized again. In-place arithmetic on the copy itself (``weight.add_(...)``) still changes the
+    copy alone, as on any decoded value. Every operation on it gives a plain tensor.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # behaves as a plain tensor in every op
+
+    @staticmethod
+    def of(layer: QuantLinear) -> _DecodedWeight:
+        decoded = layer.qweight.dequantize(layer.qweight.dtype).as_subclass(_DecodedWeight)
+        decoded._layer = weakref.ref(layer)
+        return decoded
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self).as_subclass(torch.Tensor)
+
+    @data.setter
+    def data(self, values: torch.Tensor) -> None:
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError("this decoded weight's QuantLinear no longer exists: there is nothing to assign to")
+        layer.assign_weight(values)
+        torch.Tensor.data.__set__(self, layer.qweight.dequantize(layer.qweight.dtype))
+
+    def __deepcopy__(self, memo) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):  # saved as the plain decoded values
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
 class QuantLinear(nn.Linear):
     """nn.Linear with a frozen quantized weight; state_dict holds the codes, scales and bias.
 
     A subclass of ``nn.Linear`` (with ``in_features`` / ``out_features``) so that code which accepts linear
-    layers, PEFT's LoRA among them, takes it. ``weight`` is not a parameter: it is a read-only property
-    that decodes ``qweight`` on every access (PEFT reads its device and dtype once per adapter), never
-    used by ``forward``. Merging adapters into the quantized weight is not supported.
+    layers, PEFT's LoRA among them, takes it. ``weight`` is not a parameter: it is a property that decodes
+    ``qweight`` on every access (PEFT reads its device and dtype once per adapter), never used by
+    ``forward``. Assigning ``weight.data`` (how PEFT merges an adapter) stores the values quantized again,
+    with a warning about the rounding; see ``assign_weight``.
     """
+
+    # Why assigning a new weight is refused now, or None: set by whoever holds copies of the codes that
+    # would not see new values (a weight streamer between its fetches), cleared when it lets go.
+    assign_refusal: str | None = None
+    # The largest absolute error of the last assigned weight's quantization (None: never assigned).
+    rounding_error: float | None = None
 
     def __init__(self, qweight: QuantizedTensor, bias: torch.Tensor | None = None, outliers: float = 0.0) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: there is no dense weight to allocate
@@ -302,8 +354,26 @@ class QuantLinear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The decoded weight, freshly computed (a copy in ``qweight.dtype``, not trainable)."""
-        return self.qweight.dequantize(self.qweight.dtype)
+        """The decoded weight, freshly computed (a copy in ``qweight.dtype``, not trainable); assigning its
+        ``.data`` calls ``assign_weight``."""
+        return _DecodedWeight.of(self)
+
+    def assign_weight(self, values: torch.Tensor) -> None:
+        """Stores `values` as this layer's weight, quantized in the same format and block size, in place in
+        ``qweight``'s tensors. Sets ``rounding_error`` (the largest absolute difference between `values` and
+        what is stored) and warns once per place it is called from. Refused, with nothing changed, for values
+        of another shape or not finite, and while ``assign_refusal`` says why."""
+        if self.assign_refusal is not None:
+            raise RuntimeError(self.assign_refusal)
+        if tuple(values.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"a weight of shape {tuple(values.shape)} cannot replace this layer's "
+                             f"({self.out_features}, {self.in_features})")
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError("the new weight has values that are not finite; the layer keeps its weight")
+        self.qweight.requantize_(values)
+        stored = self.qweight.dequantize(torch.float32)
+        self.rounding_error = float((stored - values.detach().to(stored.device, torch.float32)).abs().max())
+        warnings.warn(MERGE_ROUNDING_WARNING, UserWarning, stacklevel=3)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: str, block_size: int | None = None, *,

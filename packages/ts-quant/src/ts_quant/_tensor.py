@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -116,6 +117,30 @@ class QuantizedTensor:
         self.__dict__.update(state)
         if isinstance(self.data, torch.Tensor):
             _owners[self.data] = weakref.ref(self)
+
+    def named_tensors(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every tensor this holds: codes, scales (or, double quantized, their own codes and
+        scales), global scale, scale offset. The same format, shape and block size always give the same names,
+        shapes and dtypes."""
+        for attr in ("data", "scales", "global_scale", "scale_offset"):
+            value = getattr(self, attr)
+            if isinstance(value, QuantizedTensor):
+                yield from value.named_tensors(f"{prefix}{attr}.")
+            elif value is not None:
+                yield f"{prefix}{attr}", value
+
+    def requantize_(self, values: torch.Tensor) -> None:
+        """Stores `values` (this shape) quantized in this object's own tensors, in place: the format, block
+        size, double quantization, device and dtype stay, and whoever holds these tensors sees the new codes."""
+        if tuple(values.shape) != tuple(self.shape):
+            raise ValueError(f"requantize_: values of shape {tuple(values.shape)} do not fit a quantized tensor "
+                             f"of shape {tuple(self.shape)}")
+        new = quantize(values.detach().to(self.device), self.format, self.block_size, double_quant=self.double_quant)
+        for (_, mine), (_, theirs) in zip(self.named_tensors(), new.named_tensors(), strict=True):
+            mine.copy_(theirs)
+        self._cache.clear()  # plans and swizzled scales derive from the old values
+        if self.double_quant:
+            self.scales._cache.clear()
 
     # ---- decode ------------------------------------------------------------
     def block_scales(self) -> torch.Tensor:

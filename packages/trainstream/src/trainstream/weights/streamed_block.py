@@ -36,12 +36,7 @@ def view_in(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tens
 
 def quantized_tensors(q, prefix: str):
     """(name, tensor) of every tensor a ts-quant QuantizedTensor holds (codes, scales, nested scales)."""
-    for attr in ("data", "scales", "global_scale", "scale_offset"):
-        value = getattr(q, attr, None)
-        if isinstance(value, torch.Tensor):
-            yield f"{prefix}.{attr}", value
-        elif value is not None and hasattr(value, "scales"):  # double quantization: scales are codes too
-            yield from quantized_tensors(value, f"{prefix}.{attr}")
+    return q.named_tensors(f"{prefix}.")
 
 
 def frozen_params_of(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:

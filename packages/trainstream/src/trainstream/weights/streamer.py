@@ -75,6 +75,10 @@ from .streamed_block import (
 __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "trained_params_of"]
 
 
+# What a streamed QuantLinear says when a new weight is assigned (PEFT's merge): the streamer's host copy of
+# its codes would keep the old values.
+ASSIGN_REFUSAL = ("this quantized weight streams from host memory while the model is wrapped (param_offload), "
+                  "so a new value would not reach its host copy; call trainstream.unwrap(model) first, then merge")
 _FREEING_SLACK = 1  # evicted buffers still in use on the GPU when a fetch allocates (invariant 4)
 
 
@@ -224,6 +228,7 @@ class WeightStreamer(ChannelOwner):
             for module, name, _p in b.params:
                 if name == "qweight.data":  # what after_load() gives back to the module
                     self._qweights[id(module)] = (module, module.__dict__["qweight"])
+                    module.assign_refusal = ASSIGN_REFUSAL  # a merge would miss the host copy
         shared = self._share() if self._wants_sharing() else None
         for i, b in self.streamed.items():
             if shared is not None:  # the machine's leader filled it
@@ -502,6 +507,8 @@ class WeightStreamer(ChannelOwner):
         for hook in self._hooks:
             hook.disable()
         self._handles, self._hooks = [], []
+        for module, _q in self._qweights.values():
+            module.__dict__.pop("assign_refusal", None)
         self.evict_all()
         self.close_peer()
         self.source.release()
