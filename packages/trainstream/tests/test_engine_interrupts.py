@@ -76,7 +76,21 @@ def _lines_run(config) -> list[tuple[str, int]]:
     return list(seen)
 
 
-def _interrupt_at(target: tuple[str, int]):
+class TimeLimit(Exception):
+    """What a time-limit handler raises (SIGALRM), as pytest-timeout's signal method and schedulers' do."""
+
+
+def _raise_time_limit(signum, frame):
+    raise TimeLimit()
+
+
+# The signal each case raises, and the exception its handler raises in the training loop.
+SIGNALS = {"sigint": (signal.SIGINT, KeyboardInterrupt), "sigalrm": (signal.SIGALRM, TimeLimit)}
+CASES = [("plain", "sigint"), ("clipped", "sigint"), ("accumulated", "sigint"), ("plain", "sigalrm"),
+         ("clipped", "sigalrm")]
+
+
+def _interrupt_at(target: tuple[str, int], signum=signal.SIGINT):
     fired = {"done": False}
 
     def tracer(frame, event, arg):
@@ -84,7 +98,7 @@ def _interrupt_at(target: tuple[str, int]):
             return None
         if event == "line" and not fired["done"] and (frame.f_code.co_filename, frame.f_lineno) == target:
             fired["done"] = True
-            signal.raise_signal(signal.SIGINT)  # a real Ctrl-C: Python runs the handler at the next bytecode
+            signal.raise_signal(signum)  # a real signal: Python runs its handler at the next bytecode
         return tracer
 
     return tracer, fired
@@ -94,9 +108,18 @@ def _same(a: dict, b: dict) -> bool:
     return a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("master", "exp_avg", "exp_avg_sq", "weight"))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_an_interrupt_at_any_engine_line_leaves_every_parameter_consistent(name):
+@pytest.mark.parametrize("name,kind", CASES)
+def test_an_interrupt_at_any_engine_line_leaves_every_parameter_consistent(name, kind):
     config = CONFIGS[name]
+    signum, raised = SIGNALS[kind]
+    previous_alarm = signal.signal(signal.SIGALRM, _raise_time_limit)  # a time limit the user installed
+    try:
+        _interrupt_every_line(config, signum, raised)
+    finally:
+        signal.signal(signal.SIGALRM, previous_alarm)
+
+
+def _interrupt_every_line(config, signum, raised):
     ids = batches(1, seed=2)[0]
     reference, ref_opt = _fresh(config)
     before = snapshot(reference)
@@ -111,12 +134,12 @@ def test_an_interrupt_at_any_engine_line_leaves_every_parameter_consistent(name)
     for target in lines:
         model, opt = _fresh(config)
         assert all(_same(s, b) for s, b in zip(snapshot(model), before))
-        tracer, fired = _interrupt_at(target)
+        tracer, fired = _interrupt_at(target, signum)
         where: dict = {}
         sys.settrace(tracer)
         try:
             _iteration(model, opt, ids, config, where)
-        except KeyboardInterrupt:
+        except raised:
             interrupted += 1
         finally:
             sys.settrace(None)
@@ -199,4 +222,37 @@ def test_a_handler_installed_after_wrap_is_chained_to_and_interrupts_stay_deferr
         signal.raise_signal(signal.SIGINT)
         assert calls == []  # held back inside a transition
     assert calls == [signal.SIGINT]  # then delivered to the user's handler
+    trainstream.unwrap(model)
+
+
+def test_an_update_whose_queueing_failed_is_queued_later_not_waited_for_forever():
+    """A slot moved to QUEUED whose submit then raised (here a fault injected into the worker's queue) is not a
+    hang: the next zero_grad() queues its update, and the run goes on as if it had been queued at once."""
+    config = {}
+    reference, ref_opt = _fresh(config)
+    ids = batches(1, seed=2)[0]
+    _iteration(reference, ref_opt, ids, config, {})
+    _iteration(reference, ref_opt, batches(1, seed=4)[0], config, {})
+    expected = snapshot(reference)
+    trainstream.unwrap(reference)
+
+    model, opt = _fresh(config)
+    host = model._trainstream_session.engine.host
+    real_submit = host.submit
+    failures = {"n": 0}
+
+    def failing_submit(slots):
+        if failures["n"] == 0:
+            failures["n"] += 1
+            raise RuntimeError("injected: the queue could not take the updates")
+        return real_submit(slots)
+
+    host.submit = failing_submit
+    with pytest.raises(RuntimeError, match="injected"):
+        _iteration(model, opt, ids, config, {})
+    assert failures["n"] == 1
+    opt.zero_grad()
+    _iteration(model, opt, batches(1, seed=4)[0], config, {})  # hung in wait_slot before invariant 8
+    assert all(_same(s, e) for s, e in zip(snapshot(model), expected))
+    assert any("queued late" in line for line in trainstream.memory_report(model)["events"])
     trainstream.unwrap(model)

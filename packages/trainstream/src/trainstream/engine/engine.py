@@ -166,6 +166,7 @@ class UpdateEngine(ChannelOwner):
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.by_param[id(param)]
         if slot.state is S.QUEUED:
+            self._requeue_orphans([slot])
             self.host.wait_slot(slot)  # invariant 2: its buffer is still being read
         if slot.state is S.ARRIVED:
             raise RuntimeError(f"{slot.label} received a second gradient before step(); with max_grad_norm, "
@@ -277,9 +278,20 @@ class UpdateEngine(ChannelOwner):
         one call; each slot's ``written`` is its sequence, and a streamed weight's block learns that its
         device copy is stale and which update its next fetch waits for."""
         for slot, sequence in zip(slots, self.host.submit(slots), strict=True):
-            slot.written = sequence
             if slot.streamed:
                 self.streamer.update_queued(slot.streamed_block, sequence)
+
+    def _requeue_orphans(self, slots: list[ParamSlot]) -> None:
+        """Invariant 8: queues the update of each slot left QUEUED without one (an exception between the move
+        and the submit), so it is applied as if uninterrupted and nothing waits for it forever. ``holds`` is
+        read before the state (its docstring says why the order matters)."""
+        orphans = [s for s in slots if s.state is S.QUEUED and not self.host.holds(s) and s.state is S.QUEUED]
+        if not orphans:
+            return
+        with interrupts.critical():
+            self._submit(orphans)
+        self.events.add("optimizer", f"the host updates of {', '.join(s.label for s in orphans)} were queued late: "
+                                     f"an exception had interrupted their queueing")
 
     def _follow_user_edit(self, slot: ParamSlot) -> None:
         """Invariant 4: a weight written by the user is where its next update starts."""
@@ -293,6 +305,7 @@ class UpdateEngine(ChannelOwner):
         """Takes gradients still accumulating, applies clipping, queues the remaining updates, and
         (guard_params) orders every later read of a weight after its update."""
         self.raise_errors()
+        self._requeue_orphans(self.slots)
         self._after_backward_queued = False  # a backward pass that raised never ran its final callback
         self._take_pending()
         self._release_grads()
@@ -446,9 +459,11 @@ class UpdateEngine(ChannelOwner):
 
     def discard(self) -> None:
         """zero_grad(): gradients held for a step that never came are dropped. Gradients still in a bucket
-        (a backward pass that raised) are taken first, as they would have been one at a time."""
+        (a backward pass that raised) are taken first, as they would have been one at a time, and updates
+        whose queueing an exception interrupted are queued, as the ones queued before it were."""
         self._after_backward_queued = False
         self._take_pending()
+        self._requeue_orphans(self.slots)
         for s in self.slots:
             with interrupts.critical():
                 if s.state is S.ARRIVED:
@@ -503,6 +518,7 @@ class UpdateEngine(ChannelOwner):
 
     def synchronize(self) -> None:
         """Every queued update applied and every weight written (host and device)."""
+        self._requeue_orphans(self.slots)
         self.host.drain()
         self.channel.synchronize()
         self._release_grads(ordered=True)

@@ -34,6 +34,10 @@ Invariants (checked by tests/test_engine_state_machine.py):
      streamer's host copy of the weight: the worker writes the rounded update there and uploads
      nothing (the block's next fetch carries it). ``upload_event`` is then the streamer's newest copy
      *reading* that host copy, which the worker waits for before writing it.
+  8. A QUEUED slot's update is in the worker's queue or running (``HostUpdater.holds``), except inside the
+     critical section that queues it. Should an exception still separate the two (a failed submit), the
+     engine queues the update at the slot's next wait, at step() or at synchronize() (``_requeue_orphans``),
+     so nothing waits for an update that does not exist.
 
 Flat buffers follow the parameter's memory order, so any dense layout (``channels_last``
 included) trains; ``flat()`` and ``shaped()`` convert.

@@ -265,11 +265,19 @@ class HostUpdater:
 
     def submit(self, slots: list[ParamSlot]) -> list[int]:
         """Queues the slots' updates (each already QUEUED, hyper set) in one go, so the worker finds them all
-        and joins them into as few calls as the limits allow; returns their sequences. The caller holds
+        and joins them into as few calls as the limits allow; sets each slot's ``written`` to its sequence and
+        returns the sequences. The caller holds
         interrupts.critical(): the queue and the count move together."""
         first = self.submitted + 1
         items = [(first + i, slot) for i, slot in enumerate(slots)]
-        self._items.extend(items)  # one C call: the worker never sees half of it
+        for sequence, slot in items:
+            slot.written = sequence  # holds() from here on
+        try:
+            self._items.extend(items)  # one C call: the worker never sees half of it
+        except BaseException:
+            for _, slot in items:
+                slot.written = None  # not held: the engine queues them again (slots.py, invariant 8)
+            raise
         self.submitted = first + len(items) - 1
         self._wake.set()
         return [sequence for sequence, _ in items]
@@ -289,9 +297,23 @@ class HostUpdater:
         """Blocks until every update up to `sequence` has been handled (applied or failed)."""
         self._observed_wait(lambda: self.applied >= sequence)
 
+    def holds(self, slot: ParamSlot) -> bool:
+        """True while `slot`'s update is queued or running: its sequence (``written``) is not handled yet.
+        The worker moves a slot to IDLE before it counts the sequence as applied, so a caller that reads this
+        first and the slot's state second never sees a held update's slot as QUEUED and not held."""
+        written = slot.written
+        return isinstance(written, int) and written > self.applied
+
     def wait_slot(self, slot: ParamSlot) -> None:
-        """Blocks until the worker has released `slot` (it is no longer QUEUED)."""
-        self._observed_wait(lambda: slot.state is not SlotState.QUEUED)
+        """Blocks until the worker has released `slot` (it is no longer QUEUED). A slot QUEUED with no update
+        held for it (slots.py, invariant 8) is an error naming it, not a wait forever."""
+        def released() -> bool:
+            if not self.holds(slot) and slot.state is SlotState.QUEUED:
+                raise RuntimeError(f"{slot.label} waits for a host update that was never queued (its queueing was "
+                                   f"interrupted); this is a bug in trainstream, please report it")
+            return slot.state is not SlotState.QUEUED
+
+        self._observed_wait(released)
 
     def drain(self) -> None:
         """Blocks until every submitted update has been handled."""
