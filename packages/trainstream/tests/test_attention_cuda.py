@@ -113,7 +113,6 @@ def test_cuda_pin_in_forward_and_recompute(mode):
 _FIRST_CALL = textwrap.dedent("""
     import sys, torch, torch.nn.functional as F
     from trainstream.attention import AttentionChooser
-from trainstream.attention._measure import NEAR_TIE
     from trainstream.activations.recompute import Recompute
     class Block(torch.nn.Module):
         def __init__(self):
@@ -196,7 +195,6 @@ def test_cuda_deterministic_mode_leaves_out_cudnn_and_repeats_bit_for_bit():
     script = textwrap.dedent("""
         import torch, torch.nn.functional as F
         from trainstream.attention import AttentionChooser
-from trainstream.attention._measure import NEAR_TIE
         torch.use_deterministic_algorithms(True)
         class Call(torch.nn.Module):
             def forward(self, q, k, v):

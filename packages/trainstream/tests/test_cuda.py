@@ -428,7 +428,7 @@ def test_offload_auto_measures_mapped_against_host_when_the_state_does_not_fit(m
     torch.manual_seed(0)
     model = _mid_llama(layers=2, hidden=256).cuda()
     twin = copy.deepcopy(model)
-    model, opt = trainstream.wrap(model, lr=1e-3, offload="auto")
+    model, opt = trainstream.wrap(model, lr=1e-3, offload="auto", mapped_trial=True)  # a prototype: asked for
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.01)
     placements = []
     for ids in batches(14, vocab=4096, batch=2, seq=64):

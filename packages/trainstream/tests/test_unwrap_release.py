@@ -25,7 +25,7 @@ def _linear_stack():
 
 def _steps(model, opt, rows=64):
     g = torch.Generator().manual_seed(0)
-    device = next(model.parameters()).device
+    device = model._trainstream_session.device  # a streamed weight's parameter is in host memory
     for _ in range(3):
         model(torch.randn(4, rows, generator=g).to(device)).pow(2).mean().backward()
         opt.step()
@@ -63,8 +63,10 @@ CASES = {
     "paged-activations": (Stack, {"activation_offload": True, "min_offload_bytes": 0}, lambda m, o: _steps(m, o, 32)),
     "streamed-paged-failed-forward": (_frozen_stack, {"param_offload": True, "activation_offload": True,
                                                       "min_offload_bytes": 0}, _steps_one_failing_mid_forward),
-    "hugging-face": (tiny_llama, {}, lambda m, o: train(m, o, batches(2), device=next(m.parameters()).device)),
+    "hugging-face": (tiny_llama, {}, lambda m, o: train(m, o, batches(2), device=m._trainstream_session.device)),
 }
+# The optimizer state stays in host memory (the arena) on a GPU too, where offload="auto" may move it to VRAM.
+HOST_STATE = {"offload": True}
 ON_GPU = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                           reason="needs a CUDA GPU")])
 
@@ -78,7 +80,7 @@ def test_unwrap_frees_the_session_and_its_host_state_without_a_garbage_collectio
     before = arena.stats()["arena_used"]
     gc.disable()
     try:
-        model, opt = trainstream.wrap(build(), lr=1e-3, device=device, **options)
+        model, opt = trainstream.wrap(build(), lr=1e-3, device=device, **HOST_STATE, **options)
         run(model, opt)
         session = weakref.ref(model._trainstream_session)
         engine = weakref.ref(model._trainstream_session.engine)
@@ -102,7 +104,7 @@ def test_a_wrapped_model_dropped_without_unwrap_is_freed_whole_by_a_collection(c
     arena = ts_pinned.default_arena()
     gc.collect()
     before = arena.stats()["arena_used"]
-    model, opt = trainstream.wrap(build(), lr=1e-3, device=device, **options)
+    model, opt = trainstream.wrap(build(), lr=1e-3, device=device, **HOST_STATE, **options)
     run(model, opt)
     engine = weakref.ref(model._trainstream_session.engine)
     weight = weakref.ref(next(model.parameters()))

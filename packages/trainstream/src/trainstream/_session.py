@@ -274,9 +274,11 @@ class TrainStreamSession:
         # The optimizer's placement adapts to the VRAM the settled activation policy leaves.
         settled = self.activations.settled
         self.activations.step_finished()
-        self.engine.step()
-        if self.weights is not None:
-            self.weights.drop_stale()  # reads after step() see the host copies the updates write
+        try:
+            self.engine.step()
+        finally:  # also when step() is interrupted: updates queued before it make device copies stale
+            if self.weights is not None:
+                self.weights.drop_stale()  # reads after step() see the host copies the updates write
         self.activations.sweep()
         self.steps += 1
         now = time.perf_counter()
@@ -311,8 +313,11 @@ class TrainStreamSession:
                                          f"{ATTENTION_AGREE_STEPS} are measured by each rank alone")
 
     def synchronize(self) -> None:
-        """Waits until every update is applied and every weight written back."""
+        """Waits until every update is applied and every weight written back; streamed weights are then read
+        from their host copies, which the updates wrote."""
         self.engine.synchronize()
+        if self.weights is not None:
+            self.weights.drop_stale()
 
     # ---- adaptation after the first measured step --------------------------------
 

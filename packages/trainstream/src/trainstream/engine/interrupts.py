@@ -94,11 +94,19 @@ def install() -> bool:
 
 
 def ensure() -> None:
-    """Re-installs the handlers if someone replaced one since (theirs is then the one chained to), and takes
-    over the signals given a Python handler since."""
-    if _users and threading.current_thread() is threading.main_thread():
+    """Called where no critical section can be open (the start of step()). Re-installs the handlers if someone
+    replaced one since (theirs is then the one chained to), and takes over the signals given a Python handler
+    since. A section still counted open is one whose exit never ran: a handler that was not ours yet raised as
+    the exit began (Python runs handlers on entering a function, before its first statement); it is closed
+    here, delivering what it held, so signals are held back for at most one step, never for good."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _users:
         with _lock:
             _take_over()
+    if _depth() > 0:
+        _state.depth = 1
+        _CRITICAL.__exit__(None, None, None)
 
 
 def _take_over() -> None:

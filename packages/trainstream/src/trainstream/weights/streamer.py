@@ -56,6 +56,7 @@ import time
 import torch
 import ts_pinned
 
+from ..engine import interrupts
 from ..engine.channel import ChannelOwner, channel_for
 from ..engine.hooks import EngineHook
 from .copy_timer import CopyTimer
@@ -181,7 +182,8 @@ class WeightStreamer(ChannelOwner):
         """step(): the device copies older than their host copies are dropped (invariant 5), so reads
         after step() see the host copies the updates write."""
         for index in [i for i in self._lru if i in self._stale]:
-            self._evict(index)
+            with interrupts.critical():  # an eviction is several statements: never half done
+                self._evict(index)
 
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.streamed.values())
