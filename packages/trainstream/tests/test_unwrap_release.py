@@ -171,3 +171,35 @@ def test_a_stop_queued_from_the_workers_own_thread_is_found_by_its_next_timed_wa
     worker.join(timeout=10)
     assert not worker.is_alive()
     trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("options", [{"param_offload": True}, {"param_offload": True, "recompute": True}])
+def test_tensors_taken_from_streamed_weights_stay_readable_after_steps_and_unwrap(options):
+    """A state dict and a detached weight taken while wrapped hold their values through later steps (which
+    evict and refetch the blocks) and after unwrap() (which let go of every buffer), with the freed memory
+    reused in between: before, reading them read freed memory (a segmentation fault, or a file torch.load
+    refused)."""
+    import io
+
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model, opt = trainstream.wrap(model, lr=1e-3, **options)
+    assert trainstream.memory_report(model)["params"]["streaming"]
+    train(model, opt, batches(2))
+    state = model.state_dict()
+    up = model.get_submodule("base_model.model.model.layers.0.mlp.up_proj").weight.detach()
+    expected = {k: v.clone() for k, v in state.items()}
+    expected_up = up.clone()
+    train(model, opt, batches(2, seed=3))  # blocks evicted and fetched again
+    trainstream.unwrap(model)
+    del model, opt
+    gc.collect()
+    reuse = [torch.randn(1 << 18) for _ in range(40)]  # the freed memory handed out again
+    assert all(torch.equal(state[k], v) or "lora" in k for k, v in expected.items())
+    assert torch.equal(up, expected_up)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    del reuse

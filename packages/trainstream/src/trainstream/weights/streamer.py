@@ -80,7 +80,11 @@ __all__ = ["HostSource", "PeerSource", "WeightStreamer", "frozen_params_of", "tr
 # its codes would keep the old values.
 ASSIGN_REFUSAL = ("this quantized weight streams from host memory while the model is wrapped (param_offload), "
                   "so a new value would not reach its host copy; call trainstream.unwrap(model) first, then merge")
-_FREEING_SLACK = 1  # evicted buffers still in use on the GPU when a fetch allocates (invariant 4)
+_FREEING_SLACK = 1
+
+
+class _StateDictHook(EngineHook):
+    """An EngineHook that ``register_state_dict_post_hook`` can mark (it sets an attribute on the hook)."""  # evicted buffers still in use on the GPU when a fetch allocates (invariant 4)
 
 
 class WeightStreamer(ChannelOwner):
@@ -277,7 +281,32 @@ class WeightStreamer(ChannelOwner):
             hooks = [EngineHook(self._before_forward(index)), EngineHook(self._after_forward(index))]
             self._hooks += hooks
             self._handles += [block.register_forward_pre_hook(hooks[0]), block.register_forward_hook(hooks[1])]
+        self._hook_state_dicts()
         return self
+
+    def _hook_state_dicts(self) -> None:
+        """``state_dict()`` gives each streamed weight as a view of its host copy, never of a block's device
+        buffer: an eviction frees that buffer's memory under any view of it, and the host copy is the newest
+        value anyway (invariant 5). The host copy is freed only when its last view dies, so a state dict
+        taken while wrapped stays readable after ``unwrap()`` (``sd = model.state_dict(); unwrap(model);
+        torch.save(sd, f)``). Quantized codes travel in their module's extra state and are left alone."""
+        owners: dict[int, tuple[torch.nn.Module, list]] = {}
+        for b in self.streamed.values():
+            for (module, name, p), offset in zip(b.params, b.offsets):
+                if "." not in name:
+                    owners.setdefault(id(module), (module, []))[1].append((name, b, offset, p))
+        for module, entries in owners.values():
+            hook = _StateDictHook(self._host_views(entries))
+            self._hooks.append(hook)
+            self._handles.append(module.register_state_dict_post_hook(hook))
+
+    def _host_views(self, entries: list):
+        def hook(_module, state_dict, prefix, _metadata):
+            for name, b, offset, p in entries:
+                key = prefix + name
+                if key in state_dict and not isinstance(state_dict[key], torch.nn.Parameter):  # keep_vars=False
+                    state_dict[key] = self._view(b.host, offset, p)
+        return hook
 
     # ---- hooks ---------------------------------------------------------------------------
 
@@ -387,7 +416,10 @@ class WeightStreamer(ChannelOwner):
             self._view(b.host, offset, p).copy_(p.detach())  # p is the device view; blocking copy
             self.counters["written_back"] += 1
 
-    def _evict(self, index: int) -> None:
+    def _evict(self, index: int, free: bool = True) -> None:
+        """The block's weights point at their host copies again. free: its device buffer's memory is released
+        now, under every view of it (the engine's autograd-saved ones are refilled before use); False (at
+        unwrap, for good): the buffer is only let go, its memory freed when the last view of it dies."""
         b = self.streamed[index]
         if b.trained:
             self._write_back_edits(b)
@@ -396,6 +428,11 @@ class WeightStreamer(ChannelOwner):
             torch.cuda.current_stream(self.device).wait_event(b.ready)
             b.device.record_stream(torch.cuda.current_stream(self.device))
         self._point(b, device=False)
+        if not free:
+            b.device = torch.empty(0, dtype=torch.uint8, device=self.device)
+            self._lru.pop(index, None)
+            self.counters["evictions"] += 1
+            return
         b.device.untyped_storage().resize_(0)  # freed once the compute stream is past its uses
         if self.channel.is_cuda:
             freed = torch.cuda.Event()
@@ -511,7 +548,8 @@ class WeightStreamer(ChannelOwner):
         self._handles, self._hooks = [], []
         for module, _q in self._qweights.values():
             module.__dict__.pop("assign_refusal", None)
-        self.evict_all()
+        for index in list(self._lru):  # a tensor the user took from a resident weight keeps its memory
+            self._evict(index, free=False)
         self.close_peer()
         self.source.release()
         for b in self.streamed.values():
