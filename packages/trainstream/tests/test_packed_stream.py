@@ -155,3 +155,18 @@ def test_cuda_packed_streaming_is_bit_exact_and_moves_fewer_bytes(monkeypatch, e
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(runs[0][1], runs[1][1]))
     assert runs[1][2]["packed_blocks"] == list(range(6))
     assert runs[1][2]["link_bytes"] < 0.8 * runs[0][2]["link_bytes"]
+
+
+def test_a_block_mixing_packed_and_unpacked_matrices_packs_what_packs(monkeypatch):
+    """The MLP matrices (8 K values) pack, the attention ones (2-4 K) travel as they are, in the same block:
+    before, copying an unpacked 2-D weight into its flat segment failed wrap() with a size mismatch."""
+    monkeypatch.setattr(packed_source, "MIN_PACKED_VALUES", 8192)
+    runs = []
+    for packing in (False, True):
+        model, opt = _wrap(packing)
+        runs.append((train(model, opt, batches(3)), _params(model), trainstream.memory_report(model)))
+        trainstream.unwrap(model)
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    streaming = runs[1][2]["params"]["streaming"]
+    assert streaming["packed_blocks"] == [0, 1, 2] and 0.8 < streaming["packed_ratio"] < 0.95

@@ -96,7 +96,7 @@ class PackedHostSource(HostSource):
             plain = view_in(b.host, part.plain_at, part.param)
             segment = packed.host[part.packed_at:part.packed_at + part.nbytes]
             if part.plan is None:
-                segment.copy_(plain.view(torch.uint8))
+                segment.copy_(plain.reshape(-1).view(torch.uint8))  # a 2-D weight into its flat segment
             else:
                 pack_bf16(plain, part.plan, segment)
         packed.versions = [part.param._version for part in parts]
