@@ -61,7 +61,8 @@ def _refused(argv, capsys, monkeypatch):
     (["--lr", "fast"], "argument --lr: takes a finite number > 0, not 'fast'"),
     (["--max-grad-norm", "-1"], "argument --max-grad-norm: must be a finite number > 0, not -1"),
     (["--max-grad-norm", "0"], "argument --max-grad-norm: must be a finite number > 0"),
-    (["--vram-gb", "-5"], "argument --vram-gb: must be a finite number > 0, not -5"),
+    (["--vram-gb", "-5"], "argument --vram-gb: must be a number of GB in (0, 1e6], not -5"),
+    (["--vram-gb", "1e300"], "argument --vram-gb: must be a number of GB in (0, 1e6], not 1e300"),
     (["--device", "tpu"], "argument --device: takes cpu, cuda or cuda:N, not 'tpu'"),
     (["--device", "cpu:0"], "argument --device: takes cpu, cuda or cuda:N"),
     (["--device", "cuda:x"], "argument --device: takes cpu, cuda or cuda:N"),
@@ -117,3 +118,56 @@ def test_lr_is_accepted_exactly_when_finite_and_positive(value):
         assert stopped.code == 2 and not good
     else:
         assert good and parsed == value
+
+
+def _error_line(argv, capsys, monkeypatch, build: bool = False) -> str:
+    """main(argv) refuses with one line and exit code 2 (no traceback); returns that line. build=False: before
+    any model is built."""
+    if not build:
+        monkeypatch.setattr(cli, "build_model", lambda *a, **k: pytest.fail("a model was built before the refusal"))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert "Traceback" not in err and last.startswith("trainstream: error: "), err
+    assert build or err.count("\n") == 1, err  # before any work: that line alone
+    return last
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--batch", "100000000"], "needs about"),  # before: killed by the OOM killer after minutes
+    (["--seq", "100000000"], "the demo model's context is 4096 tokens"),  # before: a traceback from the model
+])
+def test_sizes_beyond_the_machine_or_the_model_are_refused_before_any_work(argv, message, capsys, monkeypatch):
+    assert message in _error_line(argv, capsys, monkeypatch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_options_the_machine_cannot_honour_are_a_message(capsys, monkeypatch):
+    assert "needs a CUDA device" in _error_line(["--optimizer-mode", "gpu", "--steps", "1"], capsys, monkeypatch,
+                                                build=True)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_json_file_that_cannot_be_written_at_the_end_is_a_message(capsys, monkeypatch):
+    assert "No space left" in _error_line(["--steps", "1", "--json", "/dev/full"], capsys, monkeypatch, build=True)
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = subprocess.Popen([sys.executable, "-m", "trainstream.cli", "--steps", "100000"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "step" not in seen and time.monotonic() < deadline:  # training has started
+            seen += run.stderr.read(1)
+        run.send_signal(signal.SIGINT)
+        err = seen + run.communicate(timeout=60)[1]
+    finally:
+        run.kill()
+    assert run.returncode == 130, err
+    assert err.rstrip().endswith("trainstream: interrupted") and "Traceback" not in err, err[-2000:]

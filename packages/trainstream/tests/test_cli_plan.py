@@ -138,6 +138,7 @@ def test_local_ranks_split_the_ram_and_share_the_streamed_copy(capsys, monkeypat
     (["--size", "7b", "--full", "--quantize", "nf4", "--vram-gb", "24"], "full fine-tuning trains them all"),
     (["--size", "7b", "--batch", "0", "--vram-gb", "24"], "--batch"),
     (["--size", "7b", "--vram-gb", "-3"], "--vram-gb"),
+    (["--size", "7b", "--vram-gb", "24", "--host-gb", "1e300"], "must be a number of GB in (0, 1e6]"),
     (["--size", "7b", "--streamed-blocks", "99", "--vram-gb", "24"], "streamed_blocks=99"),
     (["no/such-model-offline", "--vram-gb", "24"], "cannot load the config of 'no/such-model-offline'"),
 ])
@@ -146,6 +147,24 @@ def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main(["plan", *argv])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["device", "large", "list", "environment"])
+def test_bad_input_is_refused_with_exit_2_before_any_unbounded_work(case, tmp_path, capsys, monkeypatch):
+    """Before: /dev/zero was read until the OOM killer came, a 300 MB file was read whole, and a JSON list or
+    LOCAL_WORLD_SIZE=zero ended in a traceback."""
+    argv = {"device": ["--config", "/dev/zero"], "large": [str(tmp_path / "big.bin")],
+            "list": ["--config", str(tmp_path / "list.json")], "environment": ["--size", "7b"]}[case]
+    (tmp_path / "big.bin").write_bytes(b"{" + b" " * (2 << 20) + b"}")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    if case == "environment":
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["plan", *argv, "--vram-gb", "24"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert {"device": "not a regular file", "large": "a model config is a JSON file of a few KB",
+            "list": "holds a JSON list", "environment": "LOCAL_WORLD_SIZE='zero' is not a process count"}[case] in err
 
 
 def test_a_bad_config_and_no_gpu_exit_2(tmp_path, capsys, monkeypatch):

@@ -82,6 +82,22 @@ def test_negative_reserve(arena, call):
             arena.reserve(0, cap=-5)
 
 
+@pytest.mark.parametrize("times", [2, 10**6])
+def test_a_reservation_beyond_the_machine_is_refused_at_once(times):
+    """Before: reserve("1T") page-locked slab after slab for minutes, and a size beyond the RAM "succeeded"
+    where the kernel overcommits; now it is refused before any slab, naming what the machine has."""
+    size = times * _core.host_memory()["available"]
+    arena = ts_pinned.PinnedArena(1 << 20)
+    with pytest.raises(ValueError, match=r"GiB available.*nothing was reserved"):
+        arena.reserve(size)
+    assert arena.stats()["arena_bytes"] == 0
+
+
+def test_a_reservation_within_the_machine_still_happens(arena):
+    assert arena.reserve("256K") >= 256 << 10
+    assert arena.reserve("256K") >= 256 << 10  # what is reserved already counts: no refusal, nothing new
+
+
 def test_negative_cap_in_constructor():
     with pytest.raises(ValueError, match="cap_bytes"):
         ts_pinned.PinnedArena(4096, cap_bytes=-1)

@@ -22,6 +22,7 @@ import torch
 __all__ = ["PLAN_SIZES", "SIZES", "SMOLLM2_INSTALL", "build_model", "demo_text_split", "load_gguf", "main", "plan_main",
            "smollm2_gguf"]
 
+DEMO_CONTEXT = 4096  # the built-in decoders' max_position_embeddings
 # Random-init Qwen2-style decoders; the 0.5b and 1.5b rows use Qwen2.5's published shapes.
 SIZES = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -42,7 +43,7 @@ def build_model(size: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module
     except ImportError:
         raise SystemExit("the demo model needs transformers: pip install 'trainstream[hf]'") from None
     torch.manual_seed(seed)
-    config = Qwen2Config(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=size != "1.5b",
+    config = Qwen2Config(**SIZES[size], max_position_embeddings=DEMO_CONTEXT, tie_word_embeddings=size != "1.5b",
                          attn_implementation="sdpa")
     return Qwen2ForCausalLM(config).to(dtype)
 
@@ -65,6 +66,7 @@ def _number(convert, accept, valid: str):
 
 _positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
 _positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_gigabytes = _number(float, lambda v: math.isfinite(v) and 0 < v <= 1e6, "a number of GB in (0, 1e6]")
 _seed = _number(int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
 
 
@@ -117,7 +119,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="AdamW learning rate, > 0 (default 1e-3; 2e-4 with --model)")
     parser.add_argument("--device", type=_device, default=None,
                         help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--vram-gb", type=_positive_float, default=None,
+    parser.add_argument("--vram-gb", type=_gigabytes, default=None,
                         help="cap this process's VRAM, in GB (> 0)")
     parser.add_argument("--optimizer-mode", choices=["cpu", "gpu", "auto"], default="cpu")
     parser.add_argument("--offload", choices=["auto", "on"], default="on",
@@ -241,11 +243,11 @@ def _pretrained_main(args, device: torch.device) -> int:
         started = time.perf_counter()
         model, tokenizer = load_gguf(path)  # fp32 master weights, bf16 autocast on the GPU
     except (ImportError, ValueError) as error:
-        raise SystemExit(f"trainstream --model {args.model}: {error}") from None
+        raise CliError(f"--model {args.model}: {error}") from None
     try:
         import peft
     except ImportError:
-        raise SystemExit("the LoRA demo needs peft: pip install 'trainstream[hf]'") from None
+        raise CliError("the LoRA demo needs peft: pip install 'trainstream[hf]'") from None
     train_ids, held_out = demo_text_split(tokenizer)
     torch.manual_seed(args.seed)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -260,10 +262,7 @@ def _pretrained_main(args, device: torch.device) -> int:
     with autocast:
         before = held_out_loss(model, held_out, device)
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
-    model, optimizer = trainstream.wrap(model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
-                                        offload="auto" if args.offload == "auto" else True,
-                                        moment_dtype=args.moment_dtype, max_grad_norm=args.max_grad_norm,
-                                        seed=args.seed, verbose=True, **_attention(args))
+    model, optimizer = _wrap(model, optimizer, args, device)
     losses, times = [], []
     for step, ids in enumerate(_windows(train_ids, args.batch, args.seq, args.steps, args.seed), start=1):
         started = time.perf_counter()
@@ -282,11 +281,32 @@ def _pretrained_main(args, device: torch.device) -> int:
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; held-out perplexity {math.exp(before):.2f} -> "
           f"{math.exp(after):.2f} ({held_out.numel()} tokens never trained on)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": os.path.basename(path), "losses": losses, "step_seconds": times,
-                       "held_out_loss": [before, after], "held_out_perplexity": [math.exp(before), math.exp(after)],
-                       "report": trainstream.memory_report(model)}, f, indent=2, default=str)
+        _write_json(args.json, {"model": os.path.basename(path), "losses": losses, "step_seconds": times,
+                                "held_out_loss": [before, after],
+                                "held_out_perplexity": [math.exp(before), math.exp(after)],
+                                "report": trainstream.memory_report(model)})
     return 0
+
+
+def _wrap(model, optimizer, args, device: torch.device):
+    """trainstream.wrap() with the demo's options; options this machine cannot honour (--optimizer-mode gpu
+    without a GPU) are a refusal, not a traceback."""
+    import trainstream
+
+    try:
+        return trainstream.wrap(model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
+                                offload="auto" if args.offload == "auto" else True, moment_dtype=args.moment_dtype,
+                                max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True, **_attention(args))
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
+def _write_json(path: str, data: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+    except OSError as error:
+        raise CliError(f"--json {path}: cannot be written ({error.strerror})") from None
 
 
 # ---- `trainstream plan`: the memory plan from a config alone -------------------------------------------
@@ -357,9 +377,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss-chunk-size", "--loss-chunk", dest="loss_chunk", type=_positive_int, default=None,
                         metavar="TOKENS", help="as TrainStreamTrainer's loss_chunk_size: tokens per chunk of the "
                                                "chunked loss (default: full logits, as Hugging Face computes them)")
-    parser.add_argument("--vram-gb", type=_positive_float, default=None,
+    parser.add_argument("--vram-gb", type=_gigabytes, default=None,
                         help="GPU memory to plan for, GB (default: this GPU, its per-process fraction applied)")
-    parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_positive_float, default=None,
+    parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_gigabytes, default=None,
                         help="host RAM to plan for, GB (default: this machine's available RAM, cgroup-bounded, "
                              "split between LOCAL_WORLD_SIZE processes)")
     parser.add_argument("--local-ranks", type=_positive_int, default=None, metavar="N",
@@ -427,7 +447,10 @@ def plan_main(argv: list[str] | None = None) -> int:
         import trainstream
 
         profile = trainstream.profile_hardware()
-    ranks = args.local_ranks or ts_planner.local_process_count()
+    try:
+        ranks = args.local_ranks or ts_planner.local_process_count()
+    except ValueError as error:  # LOCAL_WORLD_SIZE and the like set to something that is not a count
+        parser.error(str(error))
     try:
         budget = ts_planner.machine_budget(
             vram_bytes=None if args.vram_gb is None else int(args.vram_gb * 1e9),
@@ -473,7 +496,47 @@ def _progress(step: int, total: int, loss: float, seconds: float) -> None:
     sys.stderr.flush()
 
 
+class CliError(Exception):
+    """A refusal the command prints as one line, exit code 2, never a traceback."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `trainstream` command: the demo, `--model`, or `plan`. A refusal is one line and exit code 2 (argparse's
+    own errors too), Ctrl-C one line and 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ntrainstream: interrupted\n")
+        return 130
+    except CliError as error:
+        sys.stderr.write(f"trainstream: error: {error}\n")
+        return 2
+
+
+def _check_demo_size(args, size: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuses, before anything is built, a sequence longer than the demo model's context or a batch whose
+    activations alone could not fit the memory the device has free (a rough count, meant to catch typos)."""
+    shape = SIZES[size]
+    if args.seq > DEMO_CONTEXT:
+        raise CliError(f"--seq {args.seq}: the demo model's context is {DEMO_CONTEXT} tokens")
+    tokens = args.batch * args.seq
+    # Per token: the fp32 logits, their gradient and the loss's copy, plus about 16 values of the hidden size
+    # saved per layer for backward.
+    need = tokens * (12 * shape["vocab_size"] + 16 * dtype.itemsize * shape["hidden_size"] * shape["num_hidden_layers"])
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{device} has {free / 2**30:.1f} GiB free"
+    else:
+        import ts_pinned
+
+        free = ts_pinned.page_lock_budget().mem_available
+        where = f"this machine has {free / 2**30:.1f} GiB of RAM available"
+    if need > free:
+        raise CliError(f"--batch {args.batch} x --seq {args.seq} needs about {need / 2**30:.1f} GiB for "
+                       f"activations alone; {where}")
+
+
+def _main(argv: list[str] | None) -> int:
     import trainstream
     from trainstream._demo_text import byte_batches
 
@@ -485,20 +548,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None:
         return _pretrained_main(args, device)
     size = args.size if args.size != "auto" else ("small" if device.type == "cuda" else "tiny")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _check_demo_size(args, size, device, dtype)
     if SIZES[size]["vocab_size"] != 256:
         print(f"note: {size} has a {SIZES[size]['vocab_size']}-token vocabulary; the built-in text uses ids 0..255")
     if args.vram_gb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 1e9 / total), device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(size, dtype, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     print(f"trainstream demo: {size} decoder, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters "
           f"({str(dtype).removeprefix('torch.')}), {args.steps} steps of {args.batch} x {args.seq} tokens on {device}")
-    model, optimizer = trainstream.wrap(
-        model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
-        offload="auto" if args.offload == "auto" else True, moment_dtype=args.moment_dtype,
-        max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True, **_attention(args))
+    model, optimizer = _wrap(model, optimizer, args, device)
     session = model._trainstream_session
     seen = len(session.events)
     losses, times = [], []
@@ -523,8 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     print("memory report:")
     print(json.dumps({k: v for k, v in report.items() if k != "events"}, indent=2, default=str))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"losses": losses, "step_seconds": times, "report": report}, f, indent=2, default=str)
+        _write_json(args.json, {"losses": losses, "step_seconds": times, "report": report})
     return 0
 
 

@@ -68,6 +68,12 @@ class PinnedArena:
         limit = parse_bytes(cap, "cap")
         if limit and limit < now:
             raise ValueError(f"cap ({limit} bytes) is below bytes_now ({now} bytes); pass cap >= bytes_now or 0")
+        more = now - self._arena.stats()["arena_bytes"]
+        available = _core.host_memory()["available"]
+        if more > available:  # refused before any work: page-locking that much would not end, or end the machine
+            raise ValueError(f"reserve({bytes_now!r}) needs {more / 2**30:.1f} GiB more than is reserved; this "
+                             f"machine has {available / 2**30:.1f} GiB available (cgroup limits included); nothing "
+                             f"was reserved")
         return self._arena.reserve(now, limit)
 
     def set_slab_bytes(self, slab_bytes: int | str) -> None:

@@ -19,6 +19,22 @@ _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 _QKV_BIAS_MODELS = ("qwen2", "qwen2_moe")
 
 
+# A config.json is a few kilobytes; a larger "config" is some other file, never read whole.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _check_config_file(path: str) -> None:
+    """ValueError unless `path` is a missing file (reading reports that) or a regular file of a config's size."""
+    if not os.path.exists(path):
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file: give a config.json or the folder holding one")
+    size = os.path.getsize(path)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path} is {size / 1e6:.1f} MB; a model config is a JSON file of a few KB "
+                         f"(at most {MAX_CONFIG_BYTES // 2**20} MiB is read)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """Sizes of a decoder-only model: every block has q/k/v/o attention projections (grouped-query
@@ -141,13 +157,17 @@ class ModelShape:
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
+            _check_config_file(path)
             try:
                 with open(path) as f:
                     config = json.load(f)
             except OSError as error:
                 raise ValueError(f"cannot read a model config from {path}: {error.strerror}") from None
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path} is not JSON ({error.msg} at line {error.lineno})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                where = f" ({error.msg} at line {error.lineno})" if isinstance(error, json.JSONDecodeError) else ""
+                raise ValueError(f"{path} is not JSON{where}") from None
+            if not isinstance(config, Mapping):
+                raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object of config fields")
         if isinstance(config, Mapping) and all(config.get(name) is not None for name in _REQUIRED):
             config = _with_model_defaults(config)  # the sizes come from the file; defaults fill the rest
         fields = dict(config) if isinstance(config, Mapping) else (
