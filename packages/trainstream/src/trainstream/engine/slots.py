@@ -38,6 +38,9 @@ Invariants (checked by tests/test_engine_state_machine.py):
      critical section that queues it. Should an exception still separate the two (a failed submit), the
      engine queues the update at the slot's next wait, at step() or at synchronize() (``_requeue_orphans``),
      so nothing waits for an update that does not exist.
+  9. A hooked slot takes one complete gradient (after ``accumulation_steps`` backward passes) per step()
+     (``taken``, cleared by step() and zero_grad()): its update starts before step(), so a further backward
+     pass could not be summed with it as torch would; its gradient is refused at arrival instead.
 
 Flat buffers follow the parameter's memory order, so any dense layout (``channels_last``
 included) trains; ``flat()`` and ``shaped()`` convert.
@@ -118,6 +121,7 @@ class ParamSlot:
     placement: str = "host"
     step: int = 0
     micro: int = 0
+    taken: bool = False  # invariant 9: a complete gradient was taken since the last step() or zero_grad()
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None

@@ -176,11 +176,21 @@ class TrainStreamHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
-        return False  # QuantLinear's codes live in extra state, which safetensors cannot hold
+        # transformers' own refusal for False names no way out: refuse here with the ways there are.
+        raise ValueError(NOT_SAVED)
 
     @property
     def is_trainable(self) -> bool:
         return True  # adapters (PEFT) on the quantized layers train, as with QLoRA
+
+
+# Why save_pretrained refuses a TrainStream-quantized model, and what to do instead.
+NOT_SAVED = ("a model quantized by TrainStream cannot be saved with save_pretrained: the codes live in the "
+             "QuantLinear layers' extra state, which safetensors cannot hold. Save the adapters instead "
+             "(save_pretrained on the PEFT model writes only them), or the full-precision base. For a merged "
+             "model, load the base in bf16 (no quantization_config), load the adapters onto it with "
+             "peft.PeftModel.from_pretrained, then merge_and_unload() and save_pretrained(); "
+             "torch.save(model) keeps the quantized model whole")
 
 
 def _register() -> None:
