@@ -132,6 +132,9 @@ def test_config_is_validated_and_round_trips_as_a_dict(llama_dir):
     for bad, match in [({"format": "fp4"}, "format='fp4' is not valid; use one of 'int8', 'nf4'"),
                        ({"format": None}, "leave quantization_config out"),
                        ({"block_size": 0}, "block_size=0"), ({"block_size": True}, "block_size=True"),
+                       # the format's own rule, at construction (before: a generic error midway through loading)
+                       ({"format": "nf4", "block_size": 7}, "must be even for nf4"),
+                       ({"format": "nvfp4", "block_size": 32}, "always 16 values"),
                        ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
                        ({"quantize": "nf4"}, "no option 'quantize'")]:
         with pytest.raises(ValueError, match=match):

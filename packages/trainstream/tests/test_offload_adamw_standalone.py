@@ -161,6 +161,11 @@ def test_bad_state_dict_changes_nothing():
     bad["state"][1]["exp_avg"] = torch.zeros(5)
     with pytest.raises(ValueError, match="has 5 values"):
         opt.load_state_dict(bad)
+    for step in (1e30, 2**31, -1, float("nan"), 2.5):  # before: 1e30 loaded, and every later step() failed
+        bad = copy.deepcopy(before)
+        bad["state"][2]["step"] = torch.tensor(step)
+        with pytest.raises(ValueError, match=r"use a whole number in \[0, 2\*\*31 - 1\)"):
+            opt.load_state_dict(bad)
     after = opt.state_dict()
     for key, entry in before["state"].items():
         for name, value in entry.items():

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ._options import _MAX_INT32
 from ._standalone import HostSteps
 from .engine import SlotState, interrupts, transfer_stats
 
@@ -297,8 +298,8 @@ def _checked_entry(slot, key, value: dict) -> tuple:
         raise ValueError(f"{where} lacks {', '.join(missing)}")
     step = value["step"]
     step = float(step.item() if isinstance(step, torch.Tensor) else step)
-    if not (math.isfinite(step) and step >= 0 and step == int(step)):
-        raise ValueError(f"{where}: step={step!r} is not valid; use a whole number >= 0")
+    if not (math.isfinite(step) and 0 <= step < _MAX_INT32 and step == int(step)):  # the cores count in int32
+        raise ValueError(f"{where}: step={step!r} is not valid; use a whole number in [0, 2**31 - 1)")
     tensors = []
     for name in ("exp_avg", "exp_avg_sq", "master_param"):
         t = value.get(name)

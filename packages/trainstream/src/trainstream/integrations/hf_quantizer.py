@@ -33,6 +33,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         from error
 
 from ts_quant import FORMATS
+from ts_quant._formats import check_block
 
 from .hf_loading import _block_linears, _quantized_layer
 
@@ -76,6 +77,7 @@ class TrainStreamQuantConfig(QuantizationConfigMixin):
                                        or block_size < 2):
             raise ValueError(f"block_size={block_size!r} is not valid; use None (the format's default) or an "
                              f"integer >= 2")
+        check_block(format, block_size)  # the format's own rule (even for int8/nf4, 16 for nvfp4), before loading
         names = [] if modules_to_not_convert is None else modules_to_not_convert
         if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
             raise ValueError(f"modules_to_not_convert={modules_to_not_convert!r} is not valid; use a list of "
