@@ -37,8 +37,13 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
-def _lora():
-    return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+def _lora(targets=("q_proj", "v_proj")):
+    return peft.LoraConfig(r=4, target_modules=targets if isinstance(targets, str) else list(targets))
+
+
+# What users run beside the docs' example: LoRA on every linear layer, and bf16 autocast (TRL's default on a GPU).
+MATRIX = [pytest.param(("q_proj", "v_proj"), False, id="qv-fp32"), pytest.param("all-linear", False, id="all-fp32"),
+          pytest.param(("q_proj", "v_proj"), True, id="qv-bf16"), pytest.param("all-linear", True, id="all-bf16")]
 
 
 def _common(tmp_path, **overrides):
@@ -53,11 +58,11 @@ def _logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
 
 
-def _dpo(cls, tmp_path, model=None, trainer_kwargs=None, **overrides):
+def _dpo(cls, tmp_path, model=None, trainer_kwargs=None, targets=("q_proj", "v_proj"), **overrides):
     config = trl.DPOConfig(**_common(tmp_path, **overrides))
     kwargs = dict(trainer_kwargs or {})
     if model is None:
-        kwargs["peft_config"] = _lora()  # TRL wraps the model in PEFT inside __init__
+        kwargs["peft_config"] = _lora(targets)  # TRL wraps the model in PEFT inside __init__
     trainer = cls(model=model if model is not None else tiny_llama(), args=config,
                   train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=_tokenizer(), **kwargs)
     return trainer, config
@@ -77,12 +82,13 @@ def _assert_same_run(ours, stock):
         torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-5, msg=name)
 
 
-def test_sft_matches_stock_with_clipping_and_accumulation(tmp_path):
+@pytest.mark.parametrize(("targets", "bf16"), MATRIX)
+def test_sft_matches_stock_with_clipping_and_accumulation(tmp_path, targets, bf16):
     runs = {}
     for cls in (trl.SFTTrainer, ts_trl.TrainStreamSFTTrainer):
-        config = trl.SFTConfig(**_common(tmp_path / cls.__name__))
+        config = trl.SFTConfig(**_common(tmp_path / cls.__name__, bf16=bf16))
         trainer = cls(model=tiny_llama(), args=config, train_dataset=datasets.Dataset.from_list(TEXTS),
-                      processing_class=_tokenizer(), peft_config=_lora())
+                      processing_class=_tokenizer(), peft_config=_lora(targets))
         trainer.train()
         runs[cls] = trainer
         assert config.max_grad_norm == CLIP  # the caller's config is not changed
@@ -94,19 +100,22 @@ def test_sft_matches_stock_with_clipping_and_accumulation(tmp_path):
     trainstream.unwrap(ours.model)
 
 
-def test_dpo_matches_stock_with_clipping(tmp_path):
-    stock, _ = _dpo(trl.DPOTrainer, tmp_path / "stock")
+@pytest.mark.parametrize(("targets", "bf16"), MATRIX)
+def test_dpo_matches_stock_with_clipping(tmp_path, targets, bf16):
+    stock, _ = _dpo(trl.DPOTrainer, tmp_path / "stock", targets=targets, bf16=bf16)
     stock.train()
-    ours, config = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "ours")
+    ours, config = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "ours", targets=targets, bf16=bf16)
     ours.train()
     ours.model._trainstream_session.synchronize()
     assert isinstance(ours.optimizer.optimizer, trainstream.OffloadAdamW)  # inside Accelerate's wrapper
     assert config.max_grad_norm == CLIP and ours.args.max_grad_norm == 0.0
     _assert_same_run(ours, stock)
     trainstream.unwrap(ours.model)
+    if targets != ("q_proj", "v_proj") or bf16:
+        return  # the attached-optimizer variant once, on the docs' example
     # An optimizer attached beforehand with the config's clipping and accumulation trains the same way.
     model, opt = _wrapped_lora(accumulation_steps=2, max_grad_norm=CLIP)
-    attached, _ = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "attached", model=model,
+    attached, _ = _dpo(ts_trl.TrainStreamDPOTrainer, tmp_path / "attached", model=model, bf16=bf16,
                        trainer_kwargs={"optimizers": (opt, None)})
     attached.train()
     attached.model._trainstream_session.synchronize()
