@@ -301,3 +301,37 @@ def test_pages_come_from_the_reserved_pool_after_the_first_step(monkeypatch):
     assert arena.stats()["arena_fallbacks"] == fallbacks  # no page allocated on its own
     assert any("more page-locked memory for activation pages" in e for e in trainstream.memory_report(model)["events"])
     trainstream.unwrap(model)
+
+
+class _NormedBlock(torch.nn.Module):
+    """A block whose forward writes buffers: BatchNorm's running statistics and its batch count."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.norm = torch.nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return x + self.norm(self.up(x).transpose(1, 2)).transpose(1, 2)
+
+
+class _NormedStack(Stack):
+    def __init__(self, width=32, depth=3, seed=0):
+        super().__init__(width, depth, 0.0, seed)
+        torch.manual_seed(seed)
+        self.layers = torch.nn.ModuleList(_NormedBlock(width) for _ in range(depth))
+
+
+@pytest.mark.parametrize("variant", ["full", "selective"])
+def test_recomputed_blocks_update_running_statistics_once_per_step(variant):
+    """Before: the recomputation in backward ran BatchNorm's update again (num_batches_tracked 10 after 5 steps,
+    as torch.utils.checkpoint does); now the buffers equal a run that keeps its activations."""
+    runs = []
+    for options in ({"recompute": False}, {"recompute": True, "recompute_variant": variant}):
+        model, opt = trainstream.wrap(_NormedStack(), lr=1e-3, **options)
+        losses = _run(model, opt, steps=5)
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items() if "norm" in k}))
+        trainstream.unwrap(model)
+    assert runs[1][0] == runs[0][0]
+    assert runs[0][1]["layers.0.norm.num_batches_tracked"] == 5
+    assert all(torch.equal(runs[1][1][k], v) for k, v in runs[0][1].items())

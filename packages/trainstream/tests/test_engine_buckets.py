@@ -50,8 +50,11 @@ class Gated(torch.nn.Module):
 
 def _train(monkeypatch, bucket_items: int, plan: list[tuple[set, int]], **options):
     """One optimizer step per (skipped layers, backward passes) of `plan`, with buckets of at most
-    `bucket_items` slots (1: each gradient alone). Returns (state, D2H launches, pending after each backward)."""
+    `bucket_items` slots (1: each gradient alone); accumulation_steps is the most passes a step has, unless
+    given (a step of fewer passes takes what accumulated at step()). Returns (state, D2H launches, pending
+    after each backward)."""
     monkeypatch.setattr(updates, "BATCH_MAX_ITEMS", bucket_items)
+    options = {"accumulation_steps": max(passes for _, passes in plan), **options}
     model, opt = trainstream.wrap(Gated(), lr=1e-2, **options)
     engine = model._trainstream_session.engine
     generator = torch.Generator().manual_seed(1)
@@ -89,16 +92,15 @@ def test_buckets_train_bit_for_bit_like_one_gradient_at_a_time(monkeypatch, opti
     assert not any(pending)  # a bucket a skipped layer left short was taken when its backward pass ended
 
 
-def test_two_backward_passes_before_step_update_twice_as_before(monkeypatch):
-    """Without accumulation_steps each backward pass's gradient is its own update; with a layer skipped the
-    bucket is never full, so it must be taken at the end of each pass, before autograd adds the next one in."""
-    plan = [({3}, 2), (set(), 1), ({1, 6}, 2)]
-    alone, _, _ = _train(monkeypatch, 1, plan)
-    bucketed, _, pending = _train(monkeypatch, 64, plan)
-    assert _same(alone, bucketed)
+def test_a_second_backward_pass_without_accumulation_is_refused_with_buckets(monkeypatch):
+    """With a layer skipped the bucket is never full: it is taken when the pass ends, so the next pass (no
+    accumulation_steps declared) is refused at its first gradient, the same with buckets as without."""
+    for items in (1, 64):
+        with pytest.raises(RuntimeError, match="more than accumulation_steps=1 before step"):
+            _train(monkeypatch, items, [({3}, 2)], accumulation_steps=1)
+    state, _, pending = _train(monkeypatch, 64, [({3}, 1), (set(), 1)], accumulation_steps=1)
     assert not any(pending)
-    updates_per_layer = [sum(passes for skip, passes in plan if i not in skip) for i in range(LAYERS)]
-    assert [s["step"] for s in bucketed] == [n for n in updates_per_layer for _ in ("weight", "bias")]
+    assert [s["step"] for s in state] == [1 if i == 3 else 2 for i in range(LAYERS) for _ in ("weight", "bias")]
 
 
 @settings(max_examples=12, deadline=None)

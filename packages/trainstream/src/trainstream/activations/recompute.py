@@ -8,6 +8,9 @@ core, norms, rotary embedding, activation functions, elementwise ops), through t
 activation checkpointing. Selective holds more memory than full and less than keeping everything.
 Matmuls that do not dispatch as those ops (ts-quant's fused kernels) are recomputed either way.
 
+A forward that writes buffers (BatchNorm's running statistics) writes them once per step, as without
+recomputation: the recomputation puts back what it wrote (torch's own checkpointing updates them twice).
+
 The block's ``forward`` is replaced by an instance attribute that runs the original under
 ``torch.utils.checkpoint``; removing it restores what was there. A copy of the model
 (``copy.deepcopy``, ``torch.save``) gets the plain forward back.
@@ -65,6 +68,9 @@ class Recompute:
         self.calls = 0
         self.enabled = True  # the automatic policy switches blocks between steps
         self.compiled: CompiledForward | None = None  # set by compile(): what runs, checkpointed or not
+        # Buffers the block's forward writes (BatchNorm's running statistics), learned at the first checkpointed
+        # forward: the recomputation in backward restores them, so each forward counts once, as without it.
+        self.mutated: list[str] | None = None
 
     def __call__(self, *args, **kwargs):
         forward = self.original if self.compiled is None else self.compiled.now()
@@ -72,8 +78,35 @@ class Recompute:
             return forward(*args, **kwargs)
         self.calls += 1
         extra = {"context_fn": _selective_contexts} if self.variant == "selective" else {}
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
-                                                 preserve_rng_state=True, **extra, **kwargs)
+        learning = self.mutated is None
+        if learning:  # once: which buffers does this forward write? (kernels such as batch_norm's may not
+            # bump the version counter of what they update, so the values are compared)
+            before = {name: b.detach().clone() for name, b in self.block.named_buffers()}
+        out = torch.utils.checkpoint.checkpoint(self._buffers_kept(forward), *args, use_reentrant=False,
+                                                preserve_rng_state=True, **extra, **kwargs)
+        if learning:
+            self.mutated = [name for name, b in self.block.named_buffers()
+                            if name not in before or not torch.equal(b, before[name])]
+        return out
+
+    def _buffers_kept(self, forward):
+        """`forward`, which in the recomputation (inside backward) puts back the buffers it writes. The copies
+        are made outside any dispatch mode of the checkpoint (the selective variant's policy sees every op)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        def run(*args, **kwargs):
+            if not self.mutated or torch._C._current_graph_task_id() < 0:  # the first forward: as it is
+                return forward(*args, **kwargs)
+            buffers = dict(self.block.named_buffers())
+            with _disable_current_modes(), torch.no_grad():
+                kept = {name: buffers[name].clone() for name in self.mutated if name in buffers}
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                with _disable_current_modes(), torch.no_grad():
+                    for name, value in kept.items():
+                        buffers[name].copy_(value)
+        return run
 
     def compile(self, **options) -> None:
         """Compiles the block's forward under the checkpoint (``torch.compile`` options). "full" only: the

@@ -181,7 +181,6 @@ class UpdateEngine(ChannelOwner):
                 slot.micro += 1
                 slot.move(S.ACCUMULATING)  # keep summing in param.grad, as autograd does
                 return
-            slot.taken = True
             bucket = self.buckets.of(slot)
             if bucket is None:
                 self._take(slot)
@@ -212,9 +211,11 @@ class UpdateEngine(ChannelOwner):
             slot.step += 1
             slot.param.grad = None
             slot.micro = 0
+            slot.taken = True  # invariant 9
             slot.move(S.IDLE)
         else:
             slot.micro = 0
+            slot.taken = True  # invariant 9
             slot.move(S.ARRIVED)  # device gradients wait in param.grad for the norm
 
     def _take_host(self, slots: list[ParamSlot]) -> None:
@@ -238,6 +239,7 @@ class UpdateEngine(ChannelOwner):
         for s in slots:
             s.param.grad = None  # its memory now belongs to the D2H stream
             s.micro = 0
+            s.taken = True  # invariant 9
             s.grad_token = token
             if immediate:
                 s.hyper = hypers[id(s.group)]

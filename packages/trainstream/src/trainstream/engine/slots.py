@@ -39,8 +39,10 @@ Invariants (checked by tests/test_engine_state_machine.py):
      engine queues the update at the slot's next wait, at step() or at synchronize() (``_requeue_orphans``),
      so nothing waits for an update that does not exist.
   9. A hooked slot takes one complete gradient (after ``accumulation_steps`` backward passes) per step()
-     (``taken``, cleared by step() and zero_grad()): its update starts before step(), so a further backward
-     pass could not be summed with it as torch would; its gradient is refused at arrival instead.
+     (``taken``: set when the gradient leaves ``param.grad``, cleared by step() and zero_grad()): its update
+     starts before step(), so a further backward pass could not be summed with it as torch would; its
+     gradient is refused at arrival instead. A gradient still waiting in a bucket has not left: the next
+     pass adds to it, as autograd does.
 
 Flat buffers follow the parameter's memory order, so any dense layout (``channels_last``
 included) trains; ``flat()`` and ``shaped()`` convert.
