@@ -301,6 +301,40 @@ def _rank_dies(rank, world, out):
     return {"error": None}
 
 
+STALL_S = 15.0  # how long the stalled rank sleeps: far beyond the test's timeout, so a wait on it shows
+
+
+def _rank_stalls(rank, world, out):
+    """The last rank stops answering (alive, asleep); the others raise at trainstream's timeout, then
+    unwrap and destroy the process group well before the stalled rank wakes (or the group's own timeout)."""
+    import trainstream
+    import trainstream.distributed as tsd
+
+    model = make_model()
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    if rank == world - 1:
+        time.sleep(STALL_S)
+        return {"exit": True}
+    started = time.monotonic()
+    try:
+        train_steps(model, optimizer, 1, rank, world)
+        error = None
+    except tsd.DistributedError as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    raised_at = time.monotonic() - started
+    try:
+        optimizer.state_dict()  # a collective on the failed group: refused at once
+        again = None
+    except tsd.DistributedError as raised:
+        again = str(raised)
+    again_s = time.monotonic() - started - raised_at
+    started = time.monotonic()
+    trainstream.unwrap(model)
+    dist.destroy_process_group()
+    return {"error": error, "raised_s": raised_at, "again": again, "again_s": again_s,
+            "teardown_s": time.monotonic() - started}
+
+
 ATTENTION_TABLES = ({"flash": 1.0, "math": 2.0}, {"flash": 3.0, "math": 1.0})  # alone: rank 0 flash, rank 1 math
 
 
@@ -344,6 +378,7 @@ SCENARIOS = {
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),
     "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
     "rank_dies": _rank_dies,  # last: it ends the process group
+    "rank_stalls": _rank_stalls,  # alone: it destroys the process group
 }
 
 

@@ -162,6 +162,23 @@ def test_a_rank_that_dies_raises_on_the_others(three):
         assert result["seconds"] < 10.0 + 5.0  # within the collectives' timeout, no hang
 
 
+def test_after_a_rank_stalls_the_others_raise_then_tear_down_within_the_timeout(out):
+    from distributed_testing import STALL_S
+
+    timeout = 2.0
+    (out / "stall").mkdir()
+    runs = run_ranks(2, ["rank_stalls"], out / "stall", timeout=timeout)
+    assert runs[1]["rank_stalls"] == {"exit": True}
+    result = _result(runs, "rank_stalls", 0)
+    assert result["error"] is not None and "rank 0 of 2" in result["error"], result
+    assert timeout <= result["raised_s"] < timeout + 2.0, result
+    assert result["again"] is not None and "earlier collective failed" in result["again"], result
+    assert result["again_s"] < 0.5, result  # refused at once, not another timeout
+    # unwrap() and destroy_process_group() wait at most for the backend's margin, not for the stalled rank
+    # (asleep STALL_S) nor the process group's 60 s timeout.
+    assert result["teardown_s"] < tsd.collectives.BACKEND_TIMEOUT_MARGIN_S + 2.0 < STALL_S - timeout, result
+
+
 def test_the_distributed_switch_without_a_process_group():
     assert not dist.is_initialized()
     assert tsd.active_world() == 1

@@ -59,7 +59,16 @@ def setup(slots: list, device: torch.device, events, *, enabled: bool | None = N
     if not initialized:
         raise ValueError("distributed=True needs an initialized process group: call "
                          "torch.distributed.init_process_group() first (torchrun sets the environment it reads)")
-    comm = Comm(group, device, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    comm = Comm(group, device, timeout) if group is not None else Comm.dedicated(device, timeout)
+    try:
+        return _setup(comm, slots, events, settings, bucket_bytes)
+    except BaseException:
+        comm.close()
+        raise
+
+
+def _setup(comm: Comm, slots: list, events, settings: dict | None, bucket_bytes: int | None) -> DataParallel:
     check_same_model(comm, slots, settings)
     trained = [s for s in slots if s.param.requires_grad]
     frozen = [s for s in slots if not s.param.requires_grad]

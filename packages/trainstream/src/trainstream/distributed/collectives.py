@@ -6,6 +6,12 @@ new weights go to every rank by ``broadcast`` per bucket; the global gradient no
 ``all_reduce`` of a float64 sum of squares. Every call is issued in the same order on every rank
 (buckets come from ``sharding.make_buckets``) and waited for with a timeout: a rank that died or
 never arrives raises ``DistributedError`` on the others instead of hanging.
+
+``Comm.dedicated`` runs them on a process group of their own, created at wrap() with the same ranks as
+the default one and a backend timeout just past trainstream's: an operation a stalled peer never joins
+then ends inside the backend too (NCCL's communicator is aborted at once), so ``destroy_process_group``,
+``unwrap`` and the interpreter's exit do not wait for the user's group timeout (30 minutes by default).
+After a failure every later call raises at once: the group's state is unknown.
 """
 
 from __future__ import annotations
@@ -23,11 +29,20 @@ class DistributedError(RuntimeError):
     """A collective of data parallel failed or timed out (another rank died, diverged or stalled)."""
 
 
-class Comm:
-    """One process group, the device its collectives run on, and the timeout of every wait (seconds)."""
+# The dedicated group's backend timeout beyond trainstream's own: trainstream's wait raises first, with its
+# message, and the backend's operation ends shortly after.
+BACKEND_TIMEOUT_MARGIN_S = 1.0
 
-    def __init__(self, group=None, device: torch.device | None = None, timeout: float = 300.0):
+
+class Comm:
+    """One process group, the device its collectives run on, and the timeout of every wait (seconds).
+    ``owned``: the group was created for this Comm (``dedicated``), which destroys it at ``close()``."""
+
+    def __init__(self, group=None, device: torch.device | None = None, timeout: float = 300.0, *,
+                 owned: bool = False):
         self.group = group
+        self.owned = owned
+        self.failure: str | None = None  # the first failed wait; every later call raises at once
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
@@ -40,6 +55,25 @@ class Comm:
         self.calls = 0
         self.bytes = 0  # bytes this rank sent into collectives (its buffers' sizes)
 
+    @classmethod
+    def dedicated(cls, device: torch.device | None, timeout: float) -> Comm:
+        """A Comm on a new group of every rank of the default one (collective: every rank calls it)."""
+        group = dist.new_group(timeout=datetime.timedelta(seconds=float(timeout) + BACKEND_TIMEOUT_MARGIN_S))
+        return cls(group, device, timeout, owned=True)
+
+    def close(self) -> None:
+        """Destroys an owned group (local; after a failure it is already aborted or its work has ended)."""
+        group, self.owned = self.group, False
+        if group is None or self.failure is not None or not dist.is_initialized():
+            return
+        if group in dist.distributed_c10d._world.pg_map:  # not destroyed with the default group already
+            dist.destroy_process_group(group)
+
+    def _check_alive(self, what: str) -> None:
+        if self.failure is not None:
+            raise DistributedError(f"data parallel: rank {self.rank} of {self.world}: {what} was not started: an "
+                                   f"earlier collective failed ({self.failure}); unwrap the model, or restart the run")
+
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
@@ -48,13 +82,25 @@ class Comm:
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except Exception as error:  # gloo / NCCL report timeouts and lost peers as RuntimeError
+            self._fail(f"{what}: {error}")
             raise DistributedError(
                 f"data parallel: rank {self.rank} of {self.world}: {what} did not complete ({error}). Another "
                 f"rank has probably failed, stopped, or is not running the same steps (every rank must call "
                 f"wrap(), backward, step(), state_dict() and load_state_dict() alike); timeout "
                 f"{self.timeout:g} s") from error
 
+    def _fail(self, why: str) -> None:
+        """Marks the group failed; aborts an owned NCCL group so its in-flight work does not outlive the
+        error (gloo's ends by its own timeout, BACKEND_TIMEOUT_MARGIN_S later; its abort would block on it)."""
+        self.failure = why
+        if self.owned and self.transport == "nccl":
+            try:
+                dist.distributed_c10d._abort_process_group(self.group)
+            except Exception:  # best effort: the error being raised is the one that matters
+                pass
+
     def _count(self, t: torch.Tensor) -> None:
+        self._check_alive("a collective")
         self.calls += 1
         self.bytes += t.numel() * t.element_size()
 

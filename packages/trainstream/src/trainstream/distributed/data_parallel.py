@@ -190,16 +190,19 @@ class DataParallel:
             self._eager.restart_window()
 
     def close(self) -> None:
-        """Unwrap: the reductions in flight waited for and dropped, the hooks removed (every rank)."""
+        """Unwrap: the reductions in flight waited for and dropped, the hooks removed, the group of a
+        dedicated Comm destroyed (every rank)."""
         eager, self._eager = self._eager, None
-        if eager is None:
-            return
         try:
-            if eager.launched:  # between backward and step(): every rank completes the plan, as at step()
-                eager.finish()
+            if eager is not None and eager.launched and self.comm.failure is None:
+                eager.finish()  # between backward and step(): every rank completes the plan, as at step()
                 eager.wait()
         finally:
-            eager.close()
+            try:
+                if eager is not None:
+                    eager.close()
+            finally:
+                self.comm.close()
 
     def global_sum_of_squares(self, local: float) -> float:
         """The squared global gradient norm from this rank's owned part (every rank calls it)."""
