@@ -16,6 +16,7 @@ After a failure every later call raises at once: the group's state is unknown.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 
@@ -94,10 +95,8 @@ class Comm:
         error (gloo's ends by its own timeout, BACKEND_TIMEOUT_MARGIN_S later; its abort would block on it)."""
         self.failure = why
         if self.owned and self.transport == "nccl":
-            try:
+            with contextlib.suppress(Exception):  # best effort: the error being raised is the one that matters
                 dist.distributed_c10d._abort_process_group(self.group)
-            except Exception:  # best effort: the error being raised is the one that matters
-                pass
 
     def _count(self, t: torch.Tensor) -> None:
         self._check_alive("a collective")
