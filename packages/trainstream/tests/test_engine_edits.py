@@ -138,6 +138,31 @@ def test_add_param_group_after_wrap_is_refused_clearly():
     assert len(opt.param_groups) == 1
 
 
+def _hooks(model) -> int:
+    """Module hooks of every kind, and parameters' post-accumulate-grad hooks."""
+    modules = sum(len(v) for m in model.modules() for k, v in vars(m).items()
+                  if k.endswith("hooks") and isinstance(v, dict))
+    return modules + sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or ()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("options", [{}, {"param_offload": True}], ids=["resident", "streamed"])
+def test_a_deep_copy_of_a_wrapped_model_carries_no_hook(options):
+    plain = _hooks(tiny_llama())
+    model, opt = trainstream.wrap(tiny_llama(), lr=1e-2, **options)
+    _train(model, opt, batches(2))
+    assert _hooks(model) > plain
+    ema = copy.deepcopy(model)
+    assert _hooks(ema) == plain  # before: 22-24 inert ones
+    assert "_trainstream_session" not in vars(ema) and "__deepcopy__" not in vars(ema)
+    model._trainstream_session.synchronize()
+    for a, b in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    again = copy.deepcopy(ema)  # a copy of the copy is torch's own
+    assert _hooks(again) == plain
+    trainstream.unwrap(model)
+    assert "__deepcopy__" not in vars(model) and _hooks(copy.deepcopy(model)) == plain
+
+
 def test_deepcopy_and_torch_save_of_a_wrapped_model_give_a_plain_model():
     model, opt = trainstream.wrap(tiny_llama(), lr=1e-2)
     _train(model, opt, batches(2))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,12 @@ from ts_testing import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from trainstream.integrations.huggingface import TrainStreamQuantConfig, TrainStreamTrainer, wrap_hf  # noqa: E402
+from trainstream.integrations.huggingface import (  # noqa: E402
+    TrainStreamQuantConfig,
+    TrainStreamTrainer,
+    load_model,
+    wrap_hf,
+)
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 
@@ -128,6 +134,24 @@ def test_a_block_weight_missing_from_the_checkpoint_is_initialized_then_quantize
     assert torch.isfinite(_logits(model)).all()
 
 
+def test_a_shard_index_naming_the_wrong_shard_is_refused_before_loading(tmp_path):
+    """transformers would leave that tensor at its random initialization ("newly initialized"); load_model
+    and the quantizer refuse the checkpoint, naming the tensor and the shard."""
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path, max_shard_size="60KB")
+    path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    moved = next(k for k, v in index["weight_map"].items() if v != shards[1] and "mlp.up_proj" in k)
+    model = _load(str(tmp_path), quantization_config=TrainStreamQuantConfig("int8"))  # as saved: loads
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
+    index["weight_map"][moved] = shards[1]
+    path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"do not hold the tensor: {re.escape(moved)} \\(in {shards[1]}\\)"):
+        _load(str(tmp_path), quantization_config=TrainStreamQuantConfig("int8"))
+    with pytest.raises(ValueError, match=f"do not hold the tensor: {re.escape(moved)}"):
+        load_model(str(tmp_path), quantize="int8")
+
+
 def test_config_is_validated_and_round_trips_as_a_dict(llama_dir):
     for bad, match in [({"format": "fp4"}, "format='fp4' is not valid; use one of 'int8', 'nf4'"),
                        ({"format": None}, "leave quantization_config out"),
@@ -173,6 +197,51 @@ def test_saving_the_quantized_model_is_refused_with_what_to_do(llama_dir, tmp_pa
         model.save_pretrained(tmp_path / "out")
     assert "Save the adapters instead" in str(refused.value) and "merge_and_unload" in str(refused.value)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing half written
+
+
+def _wrap_quantized(folder):
+    model = _load(folder)
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" in name)
+    return trainstream.wrap(model, None, quantize="nf4", lr=1e-3)[0]
+
+
+@pytest.mark.parametrize("how", ["wrap", "load_model", "peft_merged"])
+def test_save_pretrained_of_a_model_quantized_another_way_is_refused_with_what_to_do(llama_dir, tmp_path, how):
+    """Before: AttributeError: 'dict' object has no attribute 'device' inside huggingface_hub's sharding.
+    A PEFT model still saves its adapters; the base it merges into refuses."""
+    if how == "wrap":
+        model = _wrap_quantized(llama_dir)
+    elif how == "load_model":
+        model = load_model(llama_dir, quantize="nf4")
+    else:
+        lora = _lora(load_model(llama_dir, quantize="nf4"))
+        lora.save_pretrained(tmp_path / "adapters")
+        assert (tmp_path / "adapters" / "adapter_model.safetensors").is_file()
+        with pytest.warns(UserWarning, match="rounding"):
+            model = lora.merge_and_unload()
+    with pytest.raises(ValueError, match="cannot be saved with save_pretrained"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    if how == "wrap":
+        trainstream.unwrap(model)  # the layers stay quantized: still refused
+        with pytest.raises(ValueError, match="cannot be saved with save_pretrained"):
+            model.save_pretrained(tmp_path / "out")
+
+
+def test_a_failed_wrap_takes_the_save_refusal_back_with_the_layers(llama_dir, monkeypatch):
+    model = _load(llama_dir)
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" in name)
+    import trainstream._wrap as wrapping
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected after quantize_model")
+
+    monkeypatch.setattr(wrapping.TrainStreamSession, "__init__", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        trainstream.wrap(model, None, quantize="nf4", lr=1e-3)
+    assert "save_pretrained" not in vars(model) and not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 class _Rows(torch.utils.data.Dataset):

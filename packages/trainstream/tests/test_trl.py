@@ -140,12 +140,35 @@ def test_dpo_precomputed_reference_columns_come_from_reference_logprobs(tmp_path
     trainstream.unwrap(ours.model)
 
 
-def _grpo(cls, tmp_path, reward, **kwargs):
+def _grpo(cls, tmp_path, reward, targets=("q_proj", "v_proj"), bf16=False, **kwargs):
     config = trl.GRPOConfig(**_common(tmp_path, max_steps=2, gradient_accumulation_steps=1, num_generations=2,
-                                      max_completion_length=6))
+                                      max_completion_length=6, bf16=bf16))
     prompts = datasets.Dataset.from_list([{"prompt": p} for p in ["the cat", "a dog", "hello", "sky is"]])
     return cls(model=tiny_llama(), reward_funcs=reward, args=config, train_dataset=prompts,
-               processing_class=_tokenizer(), peft_config=_lora(), **kwargs)
+               processing_class=_tokenizer(), peft_config=_lora(targets), **kwargs)
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) + c.count("a") for c in completions]
+
+
+@pytest.mark.parametrize(("targets", "bf16"), [m for m in MATRIX if m.id != "qv-fp32"])  # qv-fp32: the test below
+def test_grpo_matches_stock_on_every_linear_and_under_bf16(tmp_path, targets, bf16):
+    """The same sampled completions, rewards, losses, norms and adapters as TRL's GRPOTrainer."""
+    stock = _grpo(trl.GRPOTrainer, tmp_path / "stock", _reward, targets=targets, bf16=bf16)
+    stock.train()
+    ours = _grpo(ts_trl.TrainStreamGRPOTrainer, tmp_path / "ours", _reward, targets=targets, bf16=bf16)
+    ours.train()
+    ours.model._trainstream_session.synchronize()
+    for key in ("loss", "reward", "grad_norm"):
+        assert len(_logged(ours, key)) == 2
+        assert _logged(ours, key) == pytest.approx(_logged(stock, key), rel=1e-5, abs=1e-7), key
+    theirs = dict(stock.model.named_parameters())
+    lora = [(n, p) for n, p in ours.model.named_parameters() if "lora" in n and p.requires_grad]
+    assert len(lora) > (8 if targets == "all-linear" else 0)
+    for name, p in lora:
+        torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-5, msg=name)
+    trainstream.unwrap(ours.model)
 
 
 def test_grpo_trains_two_steps_with_a_python_reward_as_stock_does(tmp_path, monkeypatch):

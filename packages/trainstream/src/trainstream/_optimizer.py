@@ -178,15 +178,20 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Attached: gradients already left the GPU; this drops any that wait for a step that never came.
+        ``set_to_none=False`` zeroes in place the gradients still in ``.grad`` (accumulating, or held for
+        the norm) and leaves ``None`` where there is none, as torch's does: one taken by the engine is gone.
         On its own: as torch's."""
         session = self._session
         if session is None:
             super().zero_grad(set_to_none)
             return
+        params = [p for group in self.param_groups for p in group["params"]]
+        held = {} if set_to_none is not False else {id(p): p.grad for p in params if p.grad is not None}
         session.engine.discard()
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        with torch.no_grad():
+            for p in params:
+                grad = held.get(id(p))
+                p.grad = None if grad is None else grad.zero_()
 
     def state_dict(self) -> dict:
         session = self._session

@@ -278,7 +278,7 @@ class TrainStreamSession:
         settled = self.activations.settled
         self.activations.step_finished()
         try:
-            self.engine.step()
+            late_edits = self.engine.step()
         finally:  # also when step() is interrupted: updates queued before it make device copies stale
             if self.weights is not None:
                 self.weights.drop_stale()  # reads after step() see the host copies the updates write
@@ -295,6 +295,8 @@ class TrainStreamSession:
             run[name]()
         if self.stalls is not None:
             self.stalls.step_finished()
+        if late_edits is not None:  # the step is complete and counted; the loop that edits too late stops here
+            raise RuntimeError(late_edits)
 
     def _set_up_peer_pools(self) -> None:
         self.peer = peer.setup_peer(self.weights, self.config.peer, self.device, self.config.vram_headroom,

@@ -13,12 +13,13 @@ from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
 from .engine import SlotState
+from .engine.hooks import PlainDeepcopy
 from .memory.allocator import use_expandable_segments
 from .planning import Plan
 from .planning import plan as make_plan
 from .planning.plan import fingerprint
 from .weights.host_embedding import host_embedding_candidate
-from .weights.quantize import quantize_model
+from .weights.quantize import quantize_model, undo_swaps
 from .weights.streamer import WeightStreamer
 
 __all__ = ["unwrap", "wrap"]
@@ -30,11 +31,10 @@ class _ModelUndo:
     def __init__(self, model: torch.nn.Module):
         self.params = [(p, p.data, p.grad) for p in model.parameters()]
         self.buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()]
-        self.replaced: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # quantize_model's swaps
+        self.replaced: list[tuple] = []  # quantize_model's swaps (undo_swaps)
 
     def restore(self) -> None:
-        for parent, name, child in reversed(self.replaced):
-            setattr(parent, name, child)
+        undo_swaps(self.replaced)
         for p, data, grad in self.params:
             if p.data is not data:
                 p.data = data
@@ -121,11 +121,12 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
         converted._session = session
         converted._loop_check = _training_loop_check()
         model._trainstream_session = session
+        model.__deepcopy__ = PlainDeepcopy(model, skip=("_trainstream_session",))
     except BaseException:
         converted._session = None
         converted._loop_check = None
-        with contextlib.suppress(Exception):
-            del model._trainstream_session
+        for name in ("_trainstream_session", "__deepcopy__"):
+            model.__dict__.pop(name, None)
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
@@ -208,4 +209,5 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             optimizer._session = None
             optimizer._loop_check = None
         del model._trainstream_session
+        model.__dict__.pop("__deepcopy__", None)
     return model

@@ -2,15 +2,20 @@
 
 ``copy.deepcopy(model)`` and ``torch.save(model)`` copy a module's hook dictionaries. A copy of a
 wrapped model must be a plain model, so each hook copies (and pickles) as ``inert``: a no-op that
-holds no reference to the engine, its threads or its locks.
+holds no reference to the engine, its threads or its locks. ``PlainDeepcopy`` then removes those
+entries from a deep copy, so it carries no hooks at all (a pickle keeps the no-ops: the loading side
+runs no code of ours to remove them).
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 
-__all__ = ["EngineHook", "inert"]
+import torch
+
+__all__ = ["EngineHook", "PlainDeepcopy", "inert", "remove_inert_hooks"]
 
 
 def inert(*args, **kwargs) -> None:
@@ -48,3 +53,57 @@ class EngineHook:
 
     def __reduce__(self):  # copy.deepcopy and pickle both go through it
         return (_inert_factory, ())
+
+
+def _is_inert(hook) -> bool:
+    return hook is inert or getattr(hook, "hook", None) is inert  # torch wraps some hooks (_WrappedHook)
+
+
+def remove_inert_hooks(model: torch.nn.Module) -> int:
+    """Deletes every ``inert`` hook from `model`'s modules (and their handles' side tables); returns how many."""
+    removed = 0
+    for module in model.modules():
+        state = vars(module)
+        gone: set[int] = set()
+        for name, hooks in state.items():
+            if name.endswith("hooks") and isinstance(hooks, dict):
+                ids = [key for key, hook in hooks.items() if _is_inert(hook)]
+                for key in ids:
+                    del hooks[key]
+                gone.update(ids)
+        for name in ("_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            table = state.get(name)
+            if isinstance(table, dict):
+                for key in gone & table.keys():
+                    del table[key]
+        removed += len(gone)
+    return removed
+
+
+class PlainDeepcopy:
+    """``copy.deepcopy`` of a wrapped model (set as the model's ``__deepcopy__`` by wrap(), removed by
+    unwrap()): the default copy of everything but this attribute and the session, then the inert hooks
+    removed, so the copy is a plain model with the current weights. Holds the model weakly."""
+
+    __slots__ = ("_model", "_skip")
+
+    def __init__(self, model: torch.nn.Module, skip: tuple[str, ...]):
+        self._model = weakref.ref(model)
+        self._skip = ("__deepcopy__", *skip)
+
+    def __call__(self, memo: dict) -> torch.nn.Module:
+        model = self._model()
+        cls = type(model)
+        new = cls.__new__(cls)
+        memo[id(model)] = new
+        state = {k: v for k, v in vars(model).items() if k not in self._skip}
+        new.__setstate__(copy.deepcopy(state, memo))  # as copy's own reconstruction of a Module
+        remove_inert_hooks(new)
+        return new
+
+    def __reduce__(self):  # a pickle of the model (torch.save) carries no copier
+        return (_no_copier, ())
+
+
+def _no_copier():
+    return None

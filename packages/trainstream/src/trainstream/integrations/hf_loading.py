@@ -29,7 +29,7 @@ from ts_pinned import _core as _pinned_core
 from ts_quant import QuantLinear
 
 from .. import find_blocks
-from ..weights.quantize import block_linears, check_quantize, quantize_model, size_estimates
+from ..weights.quantize import block_linears, check_quantize, quantize_model, refuse_saving, size_estimates
 
 __all__ = ["load_model"]
 
@@ -66,6 +66,28 @@ def _local_folder(name_or_path: str) -> str | None:
     if not _REPO_ID.match(text):
         raise ValueError(f"load_model: {text!r} is neither a local folder nor a Hub id ('owner/name')")
     return None
+
+
+# The refusal of an index naming a shard that lacks the tensor (load_model's and the quantizer's); transformers
+# itself would leave such a tensor at its random initialization with a generic "newly initialized" report.
+SHARDS_DISAGREE = "{index} in {folder} names shards that do not hold the tensor: "
+
+
+def shard_mismatches(folder: str, by_file: dict[str, list[str]], seen=None) -> list[str]:
+    """``"key (in file)"`` for each key that its file (relative to ``folder``) does not hold; reads the
+    safetensors headers only. ``seen(key, shape)`` is called for each key a file holds."""
+    from safetensors import safe_open
+
+    absent = []
+    for file, keys in by_file.items():
+        with safe_open(os.path.join(folder, file), framework="pt") as f:
+            present = set(f.keys())
+            for key in keys:
+                if key not in present:
+                    absent.append(f"{key} (in {file})")
+                elif seen is not None:
+                    seen(key, list(f.get_slice(key).get_shape()))
+    return absent
 
 
 def _weight_map(folder: str) -> dict[str, str]:
@@ -209,7 +231,6 @@ def _check_against_model(model: torch.nn.Module, folder: str, weight_map: dict[s
                          uncomputed: set[str]) -> list[str]:
     """Shapes, missing and unexpected keys, checked from the safetensors headers before any data is
     read. Returns the checkpoint names to read (those the model has a place for)."""
-    from safetensors import safe_open
 
     expected = model.state_dict(keep_vars=True)
     non_persistent = {f"{p}.{n}" if p else n for p, m in model.named_modules() for n in m._non_persistent_buffers_set}
@@ -234,20 +255,12 @@ def _check_against_model(model: torch.nn.Module, folder: str, weight_map: dict[s
     for key in wanted:
         by_file.setdefault(weight_map[key], []).append(key)
     order = {k: i for i, k in enumerate(expected)}  # errors list tensors in model order
-    wrong, absent = [], []
-    for file, keys in by_file.items():
-        with safe_open(os.path.join(folder, file), framework="pt") as f:
-            present = set(f.keys())
-            for key in keys:
-                if key not in present:
-                    absent.append(f"{key} (in {file})")
-                    continue
-                shape = list(f.get_slice(key).get_shape())
-                if shape != list(expected[key].shape):
-                    wrong.append((order[key], f"{key}: checkpoint {shape}, model {list(expected[key].shape)}"))
+    wrong = []
+    absent = shard_mismatches(folder, by_file, lambda key, shape: wrong.append(
+        (order[key], f"{key}: checkpoint {shape}, model {list(expected[key].shape)}"))
+        if shape != list(expected[key].shape) else None)
     if absent:
-        raise ValueError(f"load_model: {INDEX_FILE} in {folder} names shards that do not hold the tensor: "
-                         f"{_listing(absent)}")
+        raise ValueError(f"load_model: {SHARDS_DISAGREE.format(index=INDEX_FILE, folder=folder)}{_listing(absent)}")
     if wrong:
         wrong = [text for _, text in sorted(wrong)]
         raise ValueError(f"load_model: {len(wrong)} checkpoint tensors disagree in shape with the model built "
@@ -346,6 +359,8 @@ def load_model(name_or_path: str, *, quantize: str | None = "auto", dtype: torch
         raise ValueError(f"load_model: the checkpoint has no values for {len(left)} tensors: {_listing(left)}")
     model.eval()
     model.trainstream_quantize = fmt  # what load_model decided, for the caller's log
+    if fmt is not None:
+        refuse_saving(model)  # as quantize_model does for the whole model
     return model
 
 

@@ -16,7 +16,9 @@ The quantizer is registered with transformers (``register_quantization_config`` 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import warnings
 from typing import Any
@@ -35,7 +37,8 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from ts_quant import FORMATS
 from ts_quant._formats import check_block
 
-from .hf_loading import _block_linears, _quantized_layer
+from ..weights.quantize import SAVE_PRETRAINED_REFUSAL
+from .hf_loading import INDEX_FILE, SHARDS_DISAGREE, _block_linears, _listing, _quantized_layer, shard_mismatches
 
 __all__ = ["TrainStreamQuantConfig"]
 
@@ -146,7 +149,8 @@ class TrainStreamHfQuantizer(HfQuantizer):
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return param_name in self.targets
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        _check_shard_index(checkpoint_files)
         # The model is on the meta device here: find the block linears by structure, as wrap() does.
         keep = self.quantization_config.modules_to_not_convert
         found = _block_linears(model)
@@ -179,20 +183,31 @@ class TrainStreamHfQuantizer(HfQuantizer):
 
     def is_serializable(self, *args, **kwargs) -> bool:
         # transformers' own refusal for False names no way out: refuse here with the ways there are.
-        raise ValueError(NOT_SAVED)
+        raise ValueError(SAVE_PRETRAINED_REFUSAL)
 
     @property
     def is_trainable(self) -> bool:
         return True  # adapters (PEFT) on the quantized layers train, as with QLoRA
 
 
-# Why save_pretrained refuses a TrainStream-quantized model, and what to do instead.
-NOT_SAVED = ("a model quantized by TrainStream cannot be saved with save_pretrained: the codes live in the "
-             "QuantLinear layers' extra state, which safetensors cannot hold. Save the adapters instead "
-             "(save_pretrained on the PEFT model writes only them), or the full-precision base. For a merged "
-             "model, load the base in bf16 (no quantization_config), load the adapters onto it with "
-             "peft.PeftModel.from_pretrained, then merge_and_unload() and save_pretrained(); "
-             "torch.save(model) keeps the quantized model whole")
+def _check_shard_index(checkpoint_files: list[str] | None) -> None:
+    """A sharded checkpoint whose index names, for some tensor, a shard that lacks it is refused (as load_model
+    refuses it) before any tensor is read, instead of loading that tensor as a random initialization."""
+    if not checkpoint_files or len(checkpoint_files) < 2:
+        return
+    folder = os.path.dirname(checkpoint_files[0])
+    index = os.path.join(folder, INDEX_FILE)
+    if not os.path.isfile(index):
+        return
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map") or {}
+    by_file: dict[str, list[str]] = {}
+    for key, file in weight_map.items():
+        by_file.setdefault(file, []).append(key)
+    absent = shard_mismatches(folder, {f: k for f, k in by_file.items() if os.path.isfile(os.path.join(folder, f))})
+    if absent:
+        raise ValueError(f"TrainStreamQuantConfig: {SHARDS_DISAGREE.format(index=INDEX_FILE, folder=folder)}"
+                         f"{_listing(absent)}")
 
 
 def _register() -> None:

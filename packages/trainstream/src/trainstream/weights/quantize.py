@@ -68,6 +68,39 @@ def size_estimates(total: int, weights: list[torch.Tensor]) -> list[tuple[str | 
     return [(None, float(total))] + [(fmt, total - weight_bytes + values * b) for fmt, b in _BYTES_PER_WEIGHT]
 
 
+# Why save_pretrained refuses a TrainStream-quantized model, and what to do instead.
+SAVE_PRETRAINED_REFUSAL = ("a model quantized by TrainStream cannot be saved with save_pretrained: the codes live in the "
+             "QuantLinear layers' extra state, which safetensors cannot hold. Save the adapters instead "
+             "(save_pretrained on the PEFT model writes only them), or the full-precision base. For a merged "
+             "model, load the base in bf16 (no quantization_config), load the adapters onto it with "
+             "peft.PeftModel.from_pretrained, then merge_and_unload() and save_pretrained(); "
+             "torch.save(model) keeps the quantized model whole")
+
+
+def _refuse_save_pretrained(*args, **kwargs):
+    raise ValueError(SAVE_PRETRAINED_REFUSAL)
+
+
+def refuse_saving(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, None]]:
+    """The transformers models in `model` (the root, or the base inside a PEFT model, which keeps its own
+    save_pretrained for the adapters) refuse save_pretrained with the ways out, instead of failing inside
+    transformers' sharding on the layers' extra state. Returns undo entries: (module, name, None)."""
+    marked = [m for m in model.modules() if "save_pretrained" not in vars(m)
+              and any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__)]
+    for module in marked:
+        module.save_pretrained = _refuse_save_pretrained  # an instance attribute: no reference back to it
+    return [(module, "save_pretrained", None) for module in marked]
+
+
+def undo_swaps(swaps: list) -> None:
+    """Puts back what quantize_model changed, newest first: a layer swapped, or a method it shadowed (None)."""
+    for parent, name, original in reversed(swaps):
+        if original is None:
+            vars(parent).pop(name, None)
+        else:
+            setattr(parent, name, original)
+
+
 def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: list[torch.nn.Module] | None = None,
                    block_size: int | None = None, pin_budget: int | None = None,
                    _replaced: list | None = None) -> dict:
@@ -81,7 +114,8 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
     None (default) pins nothing.
     Returns ``{"tensors", "bytes_before", "bytes_after", "blocks"}`` (``blocks``: the indices of the blocks
     with a quantized layer), plus ``"pinned_bytes"`` when ``pin_budget`` is given. Freeze the base (or add adapters) first.
-    All or nothing: if one layer fails, the layers already replaced are put back.
+    A transformers model in ``model`` then refuses ``save_pretrained`` with the ways out
+    (``SAVE_PRETRAINED_REFUSAL``). All or nothing: if one layer fails, the layers already replaced are put back.
     (``_replaced``, internal: receives each ``(parent, name, original)`` swapped, for wrap()'s undo.)
     """
     fmt = check_quantize(quantize, allow_auto=False)
@@ -110,9 +144,9 @@ def quantize_model(model: torch.nn.Module, quantize: str = "nf4", *, blocks: lis
                     pinned += layer.qweight.nbytes
                 setattr(parent, name, layer)
                 replaced.append((parent, name, linear))
+        replaced += refuse_saving(model) if targets else []
     except BaseException:
-        for parent, name, linear in reversed(replaced):
-            setattr(parent, name, linear)
+        undo_swaps(replaced)
         raise
     if _replaced is not None:
         _replaced.extend(replaced)
