@@ -217,3 +217,35 @@ def test_transitions_run_are_in_the_report():
     plan = trainstream.memory_report(model)["plan"]
     assert plan["transitions"] == []  # on the CPU nothing adapts: one process, nothing to move
     trainstream.unwrap(model)
+
+
+def test_a_run_time_transition_is_a_new_plan_with_what_it_changed(monkeypatch):
+    """offload='auto' moving the state into VRAM after the policy settled (driven on the CPU: the VRAM readings
+    stubbed, "device" placement is the model's device): memory_report's plan gains the transition with the
+    placements before and after, the plan made at wrap() is unchanged, and the step trained as torch's."""
+    import trainstream._session as session_module
+
+    model, opt = trainstream.wrap(tiny_llama(layers=2), lr=1e-3)
+    reference = tiny_llama(layers=2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    session = model._trainstream_session
+    applied = session.plan
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(session_module, "vram_budget", lambda device, headroom: 2**40)
+    session.adapting = True  # as on a GPU with offload="auto"
+    data = batches(1)  # one step: the CPU twin channel has no stream for the fused device launch after the move
+    _train(model, opt, data)
+    _train(reference, ref_opt, data)
+    plan = trainstream.memory_report(model)["plan"]
+    values = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan["transitions"] == [{
+        "step": 1, "transition": "optimizer_placement", "reason": plan["transitions"][0]["reason"],
+        "changes": {"optimizer_placement": {"before": {"host": values}, "after": {"device": values}}}}]
+    assert "fits beside the measured peak" in plan["transitions"][0]["reason"]
+    assert session.plan.history and not applied.history  # Plan -> Plan: the applied one is not changed
+    assert session.plan.decisions == applied.decisions
+    session.synchronize()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    trainstream.unwrap(model)

@@ -29,8 +29,9 @@ def _gpu(device: torch.device | None) -> dict:
 def memory_report(model: torch.nn.Module | None = None) -> dict:
     """For a wrapped model: ``events``, ``gpu``, ``pinned``, ``pinned_by_tag``, ``transfers``,
     ``optimizer``, ``resident``, ``params``, ``activations``, ``attention``, ``plan`` (the plan made at
-    wrap(): choices, predicted peak VRAM, host bytes, the lower bound and its terms, ``target_vram``,
-    ``settled``, ``history``: the plan and switch events) and ``stalls`` (the
+    wrap(): choices, predicted peak VRAM, host bytes, the lower bound and its terms, ``transitions``: the
+    run-time adaptations of the plan since, ``target_vram``, ``settled``, ``history``: the plan and switch
+    events) and ``stalls`` (the
     recent steps: seconds waited on the link, on the host optimizer, and on nothing); without one:
     ``gpu``, ``pinned`` and ``pinned_by_tag``."""
     pinned = pinned_stats()
@@ -86,12 +87,12 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         report["attention"] = session.attention.report()
     if session.engine.step_hook is not None:
         report["distributed"] = distributed_report(session.engine)
-    plan = getattr(session, "plan", None)  # the plan made at wrap() (memory/sizing.py: WrapPlan.to_dict)
+    plan = getattr(session, "plan", None)  # the plan applied, adapted by each run-time transition since
     if plan is not None:
-        plan = {**plan, "target_vram": (plan.get("budget") or {}).get("usable_vram_bytes"),
-                "settled": not session.adapting and bool(getattr(session.activations, "settled", True)),
-                "history": [str(e) for e in session.events if e.kind in ("plan", "switch")],
-                "transitions": list(session.transitions)}
+        plan = plan.to_dict()
+        plan.update({"target_vram": (plan.get("budget") or {}).get("usable_vram_bytes"),
+                     "settled": not session.adapting and bool(getattr(session.activations, "settled", True)),
+                     "history": [str(e) for e in session.events if e.kind in ("plan", "switch")]})
     report["plan"] = plan
     clock = getattr(session, "stalls", None)
     report["stalls"] = clock.recent() if clock is not None else []

@@ -2,7 +2,9 @@
 
 ``wrap()`` applies a plan decided before anything ran; what only the first steps can measure changes it
 afterwards, through these named transitions, checked after each optimizer step in this order (``due``).
-Each is logged as an event when it runs and listed in ``memory_report(model)["plan"]["transitions"]``:
+Each returns what it changed; the session makes the next plan from it (``Plan.adapted``, a
+``planning.plan.Transition``), so ``memory_report(model)["plan"]["transitions"]`` lists every one with
+its step, reason and changes, and the events log says the same:
 
   peer_pools           at step PEER_SETUP_STEP: streamed frozen blocks pooled in the data-parallel ranks'
                        GPUs (collective). Off with peer=False (the default: a prototype).

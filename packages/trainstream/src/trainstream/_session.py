@@ -24,6 +24,7 @@ from .engine.hooks import EngineHook
 from .engine.placement_trial import MappedTrial
 from .engine.slots import dense_layout_problem
 from .memory.sizing import GiB, device_state_bytes, vram_budget
+from .planning.plan import Transition
 from .weights import peer
 
 __all__ = ["TrainStreamSession"]
@@ -69,7 +70,6 @@ class TrainStreamSession:
         self.adapting = False
         self.trial = None  # a MappedTrial while offload='auto' measures host against mapped AdamW
         self._last_step_at = None  # perf_counter at the previous step(): the trial's step periods
-        self.transitions: list[dict] = []  # the run-time transitions of the plan run so far (_schedule.py)
         self.peer = None  # the ts-peer pool the streamed weights come from, once set up (weights/peer.py)
         self.quantized = quantized  # {"quantize", "tensors", "bytes_before", "bytes_after"} when wrap() quantized
         self.engine = None
@@ -110,7 +110,7 @@ class TrainStreamSession:
         self.world = tsd.world_of(options.distributed)  # one answer for every decision below
         own = _own_share(trained, self.world)
         # The plan decided the moments on the largest rank's share, so every rank chose the same.
-        self.plan = plan.to_dict()
+        self.plan = plan  # the plan applied; each run-time transition replaces it by its adapted() successor
         self.moment_dtype = plan.moment_dtype
         self.host_state_bytes = plan.host_state_bytes
         self.events.add("plan", plan.host_message)
@@ -291,31 +291,42 @@ class TrainStreamSession:
         run = {"peer_pools": self._set_up_peer_pools, "optimizer_placement": self._adapt,
                "mapped_trial": lambda: self._advance_trial(period), "attention_agreement": self._agree_on_attention}
         for name in due(facts):  # _schedule.py owns what happens at which step
-            self.transitions.append({"step": self.steps, "transition": name})
-            run[name]()
+            reason, changes = run[name]()  # each says what it changed: the plan's next state (Plan -> Plan)
+            self.plan = self.plan.adapted(Transition(self.steps, name, reason, tuple(changes)))
         if self.stalls is not None:
             self.stalls.step_finished()
         if late_edits is not None:  # the step is complete and counted; the loop that edits too late stops here
             raise RuntimeError(late_edits)
 
-    def _set_up_peer_pools(self) -> None:
+    def _placements(self) -> dict[str, int]:
+        """Values of trained parameters by where their optimizer state is (memory_report's placements)."""
+        out: dict[str, int] = {}
+        for slot in self.engine.active:
+            out[slot.placement] = out.get(slot.placement, 0) + slot.numel
+        return out
+
+    def _set_up_peer_pools(self) -> tuple[str, list]:
         self.peer = peer.setup_peer(self.weights, self.config.peer, self.device, self.config.vram_headroom,
                                     self.events)
+        if self.peer is None:
+            return f"peer={self.config.peer!r}: no peer pool (the events say why)", []
+        return "streamed frozen blocks come from the peer GPUs' pools", [("weights_source", "host", "peer")]
 
     def _agree_on_attention(self) -> None:
         """attention='auto' under data parallel: after each of the first steps every rank takes the mean
         of all ranks' timings, so all pin the same kernels (collective: every rank, same steps)."""
         chooser = self.attention
         if chooser is None or chooser.mode != "auto":
-            return
+            return "attention is not 'auto': nothing to agree on", []
         everyone = [None] * self.world
         torch.distributed.all_gather_object(everyone, chooser.timings_to_share())
         changed = chooser.adopt(everyone)
+        message = (f"auto under data parallel, step {self.steps}: each shape's timings are the mean over the "
+                   f"{self.world} ranks, so every rank pins the same kernels ({changed} choices changed); shapes "
+                   f"first seen after step {ATTENTION_AGREE_STEPS} are measured by each rank alone")
         if self.steps == 1 or changed:
-            self.events.add("attention", f"auto under data parallel, step {self.steps}: each shape's timings are the "
-                                         f"mean over the {self.world} ranks, so every rank pins the same kernels "
-                                         f"({changed} choices changed); shapes first seen after step "
-                                         f"{ATTENTION_AGREE_STEPS} are measured by each rank alone")
+            self.events.add("attention", message)
+        return message, [("attention_choices_changed", 0, changed)] if changed else []
 
     def synchronize(self) -> None:
         """Waits until every update is applied and every weight written back; streamed weights are then read
@@ -341,14 +352,16 @@ class TrainStreamSession:
         movable = [s for s in self.engine.active if s.placement != "device" and not s.streamed]
         need = sum(device_state_bytes(s) for s in movable)
         self.adapting = False
+        before = self._placements()
         if not movable:
-            return
+            return "no optimizer state outside VRAM to move", []
         if self.config.offload == "auto" and need <= room:
             self.engine.place(movable, "device")
             self._state_moved_to_vram(need)
-            self.events.add("switch", f"offload='auto': the optimizer state ({need / GiB:.2f} GiB) fits beside the "
-                                      f"measured peak ({peak / GiB:.2f} GiB of a {budget / GiB:.2f} GiB budget): "
-                                      f"AdamW now runs on the GPU with fp32 master weights, as stock fused AdamW would")
+            message = (f"offload='auto': the optimizer state ({need / GiB:.2f} GiB) fits beside the measured peak "
+                       f"({peak / GiB:.2f} GiB of a {budget / GiB:.2f} GiB budget): AdamW now runs on the GPU with "
+                       f"fp32 master weights, as stock fused AdamW would")
+            self.events.add("switch", message)
         elif self.config.optimizer_mode == "auto" and room > 0:
             chosen, used = [], 0
             for slot in sorted(movable, key=lambda s: s.index):
@@ -361,22 +374,27 @@ class TrainStreamSession:
                 self.engine.place(chosen, "device")
                 self._state_moved_to_vram(used)
             share = sum(s.numel for s in chosen) / max(1, sum(s.numel for s in self.engine.active))
-            self.events.add("switch", f"optimizer_mode='auto': {len(chosen)} of {len(movable)} parameters "
-                                      f"({share:.0%} of the values, {used / GiB:.2f} GiB) moved their state to VRAM "
-                                      f"left free by the measured peak ({peak / GiB:.2f} GiB of {budget / GiB:.2f} GiB); "
-                                      f"their updates run on the GPU, the rest on host threads")
+            message = (f"optimizer_mode='auto': {len(chosen)} of {len(movable)} parameters ({share:.0%} of the "
+                       f"values, {used / GiB:.2f} GiB) moved their state to VRAM left free by the measured peak "
+                       f"({peak / GiB:.2f} GiB of {budget / GiB:.2f} GiB); their updates run on the GPU, the rest on "
+                       f"host threads")
+            self.events.add("switch", message)
         else:
-            self.events.add("plan", f"the optimizer state ({need / GiB:.2f} GiB) does not fit in the VRAM left "
-                                    f"after the measured peak ({max(room, 0) / GiB:.2f} GiB): it stays in host memory")
-            self._start_mapped_trial(room)
+            message = (f"the optimizer state ({need / GiB:.2f} GiB) does not fit in the VRAM left after the measured "
+                       f"peak ({max(room, 0) / GiB:.2f} GiB): it stays in host memory")
+            self.events.add("plan", message)
+            if self._start_mapped_trial(room):
+                message += "; a trial of CUDA AdamW over mapped host memory starts"
         torch.cuda.reset_peak_memory_stats(self.device)
+        after = self._placements()
+        return message, [("optimizer_placement", before, after)] if after != before else []
 
     def _state_moved_to_vram(self, nbytes: int) -> None:
         tuner = self.activations.tuner if self.activations is not None else None
         if tuner is not None:
             tuner.static_grew(nbytes)  # the watchdog's numbers were measured without it
 
-    def _start_mapped_trial(self, room: int) -> None:
+    def _start_mapped_trial(self, room: int) -> bool:
         """offload='auto' with mapped_trial=True (a prototype), state in host memory: measure mapped CUDA AdamW
         against host AdamW when the gradients it keeps in VRAM until step() fit twice in the room the measured
         peak left."""
@@ -384,30 +402,34 @@ class TrainStreamSession:
         grads = sum(s.numel * s.param.element_size() for s in host)
         if (not self.config.mapped_trial or self.config.offload != "auto" or not host
                 or self.engine.step_hook is not None or 2 * grads > room):
-            return
+            return False
         self.trial = MappedTrial()
         self.events.add("plan", f"offload='auto': trying CUDA AdamW over mapped host memory against host AdamW "
                                 f"for {len(host)} tensors: no gradient hooks, the {grads / GiB:.2f} GiB of gradients "
                                 f"wait in VRAM until step() and the state crosses the link there; "
                                 f"{self.trial.steps} steps each, the faster stays")
+        return True
 
-    def _advance_trial(self, period: float) -> None:
+    def _advance_trial(self, period: float) -> tuple[str, list]:
         trial = self.trial
         action = trial.record(period)
         if action is None:
-            return
+            return f"the mapped-AdamW trial timed a step ({period * 1e3:.1f} ms)", []
+        before = self._placements()
         wanted = "mapped" if action == "switch" else "host"
         slots = [s for s in self.engine.active if s.placement in ("host", "mapped") and not s.streamed]
         if action in ("switch", "revert"):
             self.synchronize()
             self.engine.fused_mapped = wanted == "mapped"  # before place(): it decides the slots' hooks
             self.engine.place(slots, wanted)
-        if action == "keep":
-            self.events.add("switch", f"offload='auto': CUDA AdamW over mapped host memory stays: {trial.summary()}")
-        elif action == "revert":
-            self.events.add("switch", f"offload='auto': back to host AdamW: {trial.summary()}")
+        message = {"switch": "offload='auto': the trial switches to CUDA AdamW over mapped host memory",
+                   "keep": f"offload='auto': CUDA AdamW over mapped host memory stays: {trial.summary()}",
+                   "revert": f"offload='auto': back to host AdamW: {trial.summary()}"}[action]
         if action != "switch":
+            self.events.add("switch", message)
             self.trial = None
+        after = self._placements()
+        return message, [("optimizer_placement", before, after)] if after != before else []
 
     def install_host_embedding(self, embedding) -> None:
         """host_embedding: the frozen input embedding's table moves to page-locked host memory (or an event

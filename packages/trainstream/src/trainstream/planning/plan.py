@@ -10,7 +10,7 @@ import torch
 from .._options import WrapOptions
 from ..memory.sizing import WrapPlan
 
-__all__ = ["Decision", "Plan", "fingerprint"]
+__all__ = ["Decision", "Plan", "Transition", "fingerprint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,22 @@ class Decision:
 
     def to_dict(self) -> dict:
         return {"option": self.option, "value": self.value, "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """One run-time adaptation of a plan (``trainstream/_schedule.py`` names them and says when each runs):
+    the optimizer step after which it ran, what it changed, each as (what, before, after) in the words of
+    ``memory_report()``, and why. A transition that looked and changed nothing has no changes."""
+
+    step: int
+    name: str
+    reason: str
+    changes: tuple[tuple[str, Any, Any], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "transition": self.name, "reason": self.reason,
+                "changes": {what: {"before": before, "after": after} for what, before, after in self.changes}}
 
 
 def fingerprint(model: torch.nn.Module, optimizer) -> tuple:
@@ -53,6 +69,7 @@ class Plan:
     notes: tuple[tuple[str, str], ...]  # (event kind, text) for the session's log
     resolved: tuple[tuple[str, Any], ...]  # the options with every "auto" above settled
     made_for: tuple
+    history: tuple[Transition, ...] = ()  # the run-time transitions since wrap() applied it (adapted())
 
     @property
     def fits(self) -> bool:
@@ -62,6 +79,11 @@ class Plan:
         """A fresh WrapOptions of the resolved options (each apply gets its own; the plan never changes)."""
         return WrapOptions(**dict(self.resolved))
 
+    def adapted(self, transition: Transition) -> Plan:
+        """The plan after a run-time transition: the same decisions, the transition appended to the history
+        (the plan made before training is never changed in place)."""
+        return dataclasses.replace(self, history=(*self.history, transition))
+
     def decision(self, option: str) -> Decision | None:
         return next((d for d in self.decisions if d.option == option), None)
 
@@ -69,7 +91,8 @@ class Plan:
         """The plan as plain JSON types: ``memory_report(model)["plan"]``."""
         return {**self.memory.to_dict(), "device": str(self.device), "moment_dtype": _dtype_name(self.moment_dtype),
                 "streamed_block_indices": list(self.streamed_blocks), "host_state_bytes": self.host_state_bytes,
-                "decisions": [d.to_dict() for d in self.decisions]}
+                "decisions": [d.to_dict() for d in self.decisions],
+                "transitions": [t.to_dict() for t in self.history]}
 
     def explain(self) -> str:
         """The plan as text: the verdict, then each decision and its reason."""
