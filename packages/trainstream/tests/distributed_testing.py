@@ -304,14 +304,14 @@ def _rank_dies(rank, world, out):
 STALL_S = 15.0  # how long the stalled rank sleeps: far beyond the test's timeout, so a wait on it shows
 
 
-def _rank_stalls(rank, world, out):
+def _rank_stalls(rank, world, out, **options):
     """The last rank stops answering (alive, asleep); the others raise at trainstream's timeout, then
     unwrap and destroy the process group well before the stalled rank wakes (or the group's own timeout)."""
     import trainstream
     import trainstream.distributed as tsd
 
     model = make_model()
-    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1, **options)
     if rank == world - 1:
         time.sleep(STALL_S)
         return {"exit": True}
@@ -379,6 +379,7 @@ SCENARIOS = {
     "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
     "rank_dies": _rank_dies,  # last: it ends the process group
     "rank_stalls": _rank_stalls,  # alone: it destroys the process group
+    "rank_stalls_option": lambda r, w, o: _rank_stalls(r, w, o, distributed_timeout=1.5),  # alone, as above
 }
 
 

@@ -344,3 +344,15 @@ def test_importing_trainstream_after_init_process_group_warns(order):
         assert len(warned) == 1 and "Import trainstream before init_process_group()" in warned[0]
     else:
         assert warned == []
+
+
+def test_the_collectives_timeout_is_an_option(out):
+    """wrap(distributed_timeout=) sets the wait (before: only the module constant); bad values are refused."""
+    (out / "timeout").mkdir()
+    runs = run_ranks(2, ["rank_stalls_option"], out / "timeout", timeout=30.0)  # the constant: 30 s
+    result = _result(runs, "rank_stalls_option", 0)
+    assert result["error"] is not None and "timeout 1.5 s" in result["error"], result
+    assert 1.5 <= result["raised_s"] < 3.5, result
+    for bad in (0, -1.0, float("nan"), True, "60"):
+        with pytest.raises(ValueError, match="distributed_timeout"):
+            trainstream.plan(make_model(), distributed_timeout=bad)

@@ -72,6 +72,7 @@ class RuntimeConfig:
     vram_headroom: float = _DEFAULT["vram_headroom"]
     attention: Any = _DEFAULT["attention"]
     distributed: bool | None = _DEFAULT["distributed"]
+    distributed_timeout: float | None = _DEFAULT["distributed_timeout"]  # each collective's wait (None: 600 s)
     verbose: bool = _DEFAULT["verbose"]
 
 

@@ -65,6 +65,7 @@ class WrapOptions:
     peer: Any = False  # prototype; "auto": pooled where data parallel ranks share a machine
     mapped_trial: bool = False  # prototype: offload="auto" times mapped CUDA AdamW against host AdamW
     distributed: bool | None = None
+    distributed_timeout: float | None = None  # seconds; None: trainstream.distributed.DEFAULT_TIMEOUT_S
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -126,6 +127,9 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     if opts.distributed is not None and not isinstance(opts.distributed, bool):
         raise ValueError(f"distributed={opts.distributed!r} is not valid; use None (on when an initialized process "
                          f"group has more than one rank), True or False")
+    if opts.distributed_timeout is not None:
+        opts.distributed_timeout = _real("distributed_timeout", opts.distributed_timeout,
+                                         "None (600 s) or a finite number of seconds > 0", positive=True)
     opts.activation_offload = check_block_choice("activation_offload", opts.activation_offload)
     opts.recompute = check_block_choice("recompute", opts.recompute)
     opts.prefetch_depth = _integer("prefetch_depth", opts.prefetch_depth, 1, 64)

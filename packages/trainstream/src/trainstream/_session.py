@@ -135,7 +135,8 @@ class TrainStreamSession:
             self.events.add("optimizer", "host AdamW writes the weights for upload with streaming stores")
         # Collective under data parallel (every rank builds its session); before the engine's worker starts,
         # so a refusal leaks nothing.
-        step_hook = tsd.setup(slots, device, self.events, enabled=options.distributed, settings={
+        step_hook = tsd.setup(slots, device, self.events, enabled=options.distributed,
+                              timeout=options.distributed_timeout, settings={
             "max_grad_norm": options.max_grad_norm, "moment_dtype": self.moment_dtype,
             "accumulation_steps": options.accumulation_steps})
         self.engine = UpdateEngine(slots, device, self.moment_dtype, self.arena, self.events,

@@ -12,6 +12,7 @@ from ._config import Config
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
+from .distributed.composition import check_composable
 from .engine import SlotState
 from .engine.hooks import PlainDeepcopy
 from .memory.allocator import use_expandable_segments
@@ -71,6 +72,7 @@ def _check_plan_applies(plan, model: torch.nn.Module, optimizer, options: dict) 
     if options:
         raise ValueError(f"wrap(plan=...) applies the plan's options; pass {', '.join(sorted(options))} to "
                          f"trainstream.plan() instead")
+    check_composable(model)  # a plan made before fully_shard() or DDP(...) has the same fingerprint
     if plan.made_for != fingerprint(model, optimizer):
         raise ValueError("this plan was made for another model or optimizer, or before the model's parameters "
                          "changed; call trainstream.plan() again")
@@ -155,7 +157,7 @@ def _weight_streamer(model: torch.nn.Module, device: torch.device, opts, streame
     """The streamer of the plan's streamed blocks."""
     blocks = list(opts.blocks)  # the plan's (planning/decide.py found them)
     return WeightStreamer(blocks, streamed, device=device, prefetch_depth=opts.weights_prefetch_depth,
-                          shared=opts.distributed, trained=None)
+                          shared=opts.distributed, timeout=opts.distributed_timeout, trained=None)
 
 
 def _move_except(model: torch.nn.Module, device: torch.device, skip: set[int]) -> None:

@@ -78,12 +78,18 @@ class ForwardGuard:
         self._hooks: list[EngineHook] = []
         self._handles = []
         slots = engine.by_param
+        sites = []
         for module in model.modules():
             owned = [slots[id(p)] for p in module._parameters.values() if p is not None and id(p) in slots]
             if owned:
+                name = next(n for n, p in module._parameters.items() if p is owned[0].param)
+                sites.append((module._parameters, name, owned[0].param))
                 for slot in owned:
                     self._owners.setdefault(id(slot.param), []).append(module)
                 self._register(module, self._waiter(module, owned))
+        # Samples of (module._parameters, name, parameter) the optimizer trains, checked at each forward: the
+        # first and last owning modules' (fully_shard() replaces every module's; two keep the check O(1)).
+        self._sites = [sites[0], sites[-1]] if sites else []
         self._register(model, torch.compiler.disable(self._root_guard), prepend=True)
         # Sticky: after any compile, a forward may skip the per-module waits (module docstring).
         self.compiled = _dynamo_has_compiled()
@@ -114,7 +120,19 @@ class ForwardGuard:
             if slot.written is not None:
                 self._engine.order_after(slot)
 
+    def _check_parameters(self) -> None:
+        """The optimizer's parameters are still the model's: ``fully_shard()`` after ``wrap()``, or a parameter
+        assigned anew, would leave the optimizer training tensors the forward no longer reads."""
+        for parameters, name, param in self._sites:
+            if parameters.get(name) is not param:
+                raise RuntimeError(f"parameter {name!r} was replaced after wrap() (by fully_shard(), or an "
+                                   f"assignment): the optimizer would go on training the old one, which the forward "
+                                   f"no longer reads. Call trainstream.unwrap(model) before replacing parameters, "
+                                   f"then wrap() again (FSDP does not compose with wrap() yet: use trainstream's own "
+                                   f"data parallel)")
+
     def _root_guard(self, _module, _args) -> None:
+        self._check_parameters()
         self._engine.forward_started()
         self._on_compile = _register_compile_start(self._compile_started, self._on_compile)  # torch._dynamo.reset() drops it
         if self.compiled:

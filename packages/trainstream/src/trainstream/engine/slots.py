@@ -56,7 +56,7 @@ import enum
 import torch
 import ts_pinned
 
-__all__ = ["PLACEMENTS", "ParamSlot", "SlotState", "dense_layout_problem", "flat", "shaped"]
+__all__ = ["PLACEMENTS", "ParamSlot", "SlotState", "dense_layout_problem", "flat", "is_dtensor", "shaped"]
 
 PLACEMENTS = ("host", "device", "mapped")
 
@@ -78,6 +78,15 @@ _ALLOWED = {
     (S.ARRIVED, S.QUEUED), (S.ARRIVED, S.IDLE),
     (S.QUEUED, S.IDLE),
 }
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP2 or tensor-parallel shard): the engine's buffers and updates take plain tensors only."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support has no DTensor
+        return False
+    return isinstance(t, DTensor)
 
 
 def dense_layout_problem(t: torch.Tensor) -> str | None:

@@ -29,6 +29,7 @@ from .._dropped import collect_dropped
 from .._options import WrapOptions, parse_options
 from ..activations.lora_inputs import eligible_layers
 from ..activations.policy import blocks_of, streamed_blocks_of
+from ..distributed.composition import check_composable
 from ..memory.blocks import find_blocks
 from ..memory.sizing import (
     PLAN_BATCH,
@@ -58,6 +59,7 @@ def plan(model: torch.nn.Module, optimizer=None, config: Config | None = None, *
     MemoryError) when the run cannot fit, ValueError for bad options."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"plan() takes a torch.nn.Module, not {type(model).__name__}")
+    check_composable(model)
     if config is not None:
         config = config if isinstance(config, Config) else Config.from_dict(config)
         options = {**config.changed(), **options}
