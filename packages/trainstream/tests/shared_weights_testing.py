@@ -105,6 +105,15 @@ def worker(rank: int, world: int, port: int, out: str, scenario: str, prefix: st
                 key = shared_host.machine_key()
                 shared_host.machine_key = lambda: key + "|elsewhere"
             result["run"] = train(rank, world)
+        elif scenario == "offload_mismatch":  # rank 1 streams nothing: its set-up runs other collectives
+            started = time.monotonic()
+            try:
+                trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=rank == 0, threads=1)
+                result["error"] = None
+            except Exception as error:
+                result["error"] = f"{type(error).__name__}: {error}"
+            result["seconds"] = time.monotonic() - started
+            result["files"] = shm_files()
         elif scenario == "mismatch":  # rank 1 streams other blocks
             try:
                 trainstream.wrap(_frozen_stack(depth=4 if rank == 0 else 3), lr=1e-3, param_offload=True, threads=1)

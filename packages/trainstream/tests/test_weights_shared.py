@@ -151,6 +151,17 @@ def test_other_streamed_blocks_on_a_rank_are_a_model_mismatch_on_every_rank(tmp_
         assert r["files"] == []
 
 
+def test_param_offload_on_one_rank_only_is_an_options_mismatch_on_every_rank(tmp_path):
+    """Before: UnicodeDecodeError inside the shared host copy's set-up (its collectives paired with the other
+    rank's model check); now both ranks refuse at once, naming the option, and nothing is left in /dev/shm."""
+    results, _ = _run(tmp_path, "offload_mismatch")
+    for result in results:
+        assert "failed" not in result, result.get("failed")
+        assert result["error"] is not None and result["error"].startswith("ModelMismatch"), result
+        assert "different wrap() options" in result["error"] and "param_offload (streamed blocks)" in result["error"]
+        assert result["seconds"] < 10.0 and result["files"] == [], result  # not the 20 s timeout
+
+
 def test_one_process_keeps_a_private_copy():
     model, _ = trainstream.wrap(_frozen_stack(), lr=1e-3, param_offload=True)
     stats = model._trainstream_session.weights.stats()

@@ -12,6 +12,7 @@ from ._config import Config
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
+from .distributed import check_options
 from .distributed.composition import check_composable
 from .engine import SlotState
 from .engine.hooks import PlainDeepcopy
@@ -85,6 +86,7 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
     embedding = host_embedding_candidate(model)[0] if opts.host_embedding else None
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     fmt = plan.quantize
+    check_options(plan, device)  # data parallel: before any set-up whose collectives the options decide
     undo = _ModelUndo(model)
     session = streamer = origin = None
     allocator_why = use_expandable_segments(device)  # before the quantize and move below allocate

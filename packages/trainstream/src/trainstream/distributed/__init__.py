@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .checks import ModelMismatch, check_same_model, describe_slots
+from .checks import ModelMismatch, check_same_model, check_same_options, describe_slots
 from .collectives import Comm, DistributedError
 from .data_parallel import DataParallel
 from .sharding import Bucket, assign_owners, make_buckets
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "Bucket", "Comm", "DataParallel", "DistributedError",
-           "ModelMismatch", "active_world", "assign_owners", "check_same_model", "describe_slots", "make_buckets",
+           "ModelMismatch", "active_world", "assign_owners", "check_options", "check_same_model", "check_same_options",
+           "describe_slots", "make_buckets",
            "report", "setup", "world_of"]
 
 DEFAULT_TIMEOUT_S = 600.0  # each collective's wait; a rank that died or stalled raises after this
@@ -40,6 +41,19 @@ def world_of(distributed) -> int:
     """The data-parallel world wrap()'s ``distributed`` option stands for: 1 when False, else the
     initialized process group's size (1 without one)."""
     return 1 if distributed is False else active_world()
+
+
+def check_options(plan, device: torch.device) -> None:
+    """Before wrap() sets anything up: every rank of a data-parallel run passes the same options that
+    decide which collectives the set-up runs (collective; nothing when data parallel is off)."""
+    opts = plan.options()
+    if world_of(opts.distributed) < 2:
+        return
+    timeout = DEFAULT_TIMEOUT_S if opts.distributed_timeout is None else opts.distributed_timeout
+    check_same_options(Comm(None, device, timeout), {
+        "param_offload (streamed blocks)": list(plan.streamed_blocks), "quantize": plan.quantize,
+        "stream_packing": opts.stream_packing, "host_embedding": opts.host_embedding, "peer": opts.peer,
+        "attention": opts.attention, "distributed": opts.distributed})
 
 
 def setup(slots: list, device: torch.device, events, *, enabled: bool | None = None, settings: dict | None = None,

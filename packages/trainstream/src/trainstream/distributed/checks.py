@@ -55,6 +55,22 @@ def first_mismatch(per_rank: list[list[str]]) -> str | None:
     return None
 
 
+def check_same_options(comm: Comm, options: dict) -> None:
+    """ModelMismatch on every rank when the ranks' wrap() options that decide which collectives the set-up
+    runs differ (streamed blocks, peer pools, attention agreement): run before that set-up, so a rank
+    streaming weights never pairs its collectives with another rank's model check."""
+    lines = [f"{key}={value!r}" for key, value in sorted(options.items())]
+    digests = comm.all_gather_bytes(_digest(lines), "the check that every rank passes the same wrap() options")
+    if all(d == digests[0] for d in digests):
+        return
+    gathered = comm.all_gather_bytes("\n".join(lines).encode(), "gathering the wrap() options")
+    per_rank = [g.decode().split("\n") for g in gathered]
+    rank, (mine, theirs) = next((r, pair) for r, lines_r in enumerate(per_rank) if lines_r != per_rank[0]
+                                for pair in zip(per_rank[0], lines_r) if pair[0] != pair[1])
+    raise ModelMismatch(f"data parallel: the ranks were given different wrap() options: rank 0 has {mine}, rank "
+                        f"{rank} has {theirs}. Pass the same options on every rank")
+
+
 def check_same_model(comm: Comm, slots: Sequence, settings: dict | None = None) -> None:
     """ModelMismatch on every rank when the ranks' models differ (see the module docstring);
     DistributedError when a rank does not take part within the timeout."""

@@ -59,7 +59,12 @@ class Comm:
     @classmethod
     def dedicated(cls, device: torch.device | None, timeout: float) -> Comm:
         """A Comm on a new group of every rank of the default one (collective: every rank calls it)."""
-        group = dist.new_group(timeout=datetime.timedelta(seconds=float(timeout) + BACKEND_TIMEOUT_MARGIN_S))
+        try:
+            group = dist.new_group(timeout=datetime.timedelta(seconds=float(timeout) + BACKEND_TIMEOUT_MARGIN_S))
+        except Exception as error:  # a rank that never reaches wrap(): the backend's rendezvous times out
+            raise DistributedError(f"data parallel: rank {dist.get_rank()} of {dist.get_world_size()}: creating the "
+                                   f"collectives' process group failed ({error}); every rank must call wrap() "
+                                   f"alike") from error
         return cls(group, device, timeout, owned=True)
 
     def close(self) -> None:
