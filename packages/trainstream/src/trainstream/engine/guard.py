@@ -90,6 +90,7 @@ class ForwardGuard:
         # Samples of (module._parameters, name, parameter) the optimizer trains, checked at each forward: the
         # first and last owning modules' (fully_shard() replaces every module's; two keep the check O(1)).
         self._sites = [sites[0], sites[-1]] if sites else []
+        self._ddp_noted = False
         self._register(model, torch.compiler.disable(self._root_guard), prepend=True)
         # Sticky: after any compile, a forward may skip the per-module waits (module docstring).
         self.compiled = _dynamo_has_compiled()
@@ -131,8 +132,21 @@ class ForwardGuard:
                                    f"then wrap() again (FSDP does not compose with wrap() yet: use trainstream's own "
                                    f"data parallel)")
 
+    def _note_ddp(self) -> None:
+        """Once: the model runs inside DistributedDataParallel (a Trainer's under torchrun / accelerate launch
+        wraps it so): DDP averages the gradients, then data parallel averages the averages, which changes
+        nothing but costs a second reduction."""
+        if self._ddp_noted or getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None) is None:
+            return
+        self._ddp_noted = True
+        self._engine.events.add("distributed", "the model runs inside DistributedDataParallel (a Trainer's under "
+                                               "torchrun or accelerate launch): DDP averages the gradients and "
+                                               "trainstream's data parallel then averages those averages, the same "
+                                               "values at twice the communication")
+
     def _root_guard(self, _module, _args) -> None:
         self._check_parameters()
+        self._note_ddp()
         self._engine.forward_started()
         self._on_compile = _register_compile_start(self._compile_started, self._on_compile)  # torch._dynamo.reset() drops it
         if self.compiled:

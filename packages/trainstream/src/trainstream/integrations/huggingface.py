@@ -320,8 +320,22 @@ class TrainStreamTrainer(TrainStreamMixin, Trainer):
         # The stock path runs the model's forward, which Accelerate wraps in its mixed-precision autocast;
         # the decoder called directly here would run outside it (bf16=True training in float32).
         with self.accelerator.autocast():
-            return causal_lm_loss(_hidden(decoder, inputs), head.weight, inputs["labels"], head.bias,
+            loss = causal_lm_loss(_hidden(decoder, inputs), head.weight, inputs["labels"], head.bias,
                                   chunk_size=self._ts_chunk, num_items=num_items_in_batch)
+        return loss * _token_average_scale(self, num_items_in_batch)
+
+
+def _token_average_scale(trainer, num_items_in_batch) -> int:
+    """The factor the stock ``Trainer.compute_loss`` applies with ``average_tokens_across_devices``: the loss is
+    divided by the tokens of every process's batch, and the gradient average over the processes would
+    divide once more, so each process's loss is multiplied back by their number (without it, the loss,
+    the gradients and the logged norm are 1/processes of the stock trainer's)."""
+    args = trainer.args
+    if not (args.average_tokens_across_devices and trainer.model_accepts_loss_kwargs and num_items_in_batch is not None):
+        return 1
+    if args.n_gpu > 1:  # torch's DataParallel in one process: the batch splits over the GPUs
+        return args.n_gpu
+    return trainer.accelerator.num_processes // trainer.get_tp_size()
 
 
 class TrainStreamCallback(TrainerCallback):
