@@ -423,9 +423,12 @@ class TrainStreamSession:
             self.synchronize()
             self.engine.fused_mapped = wanted == "mapped"  # before place(): it decides the slots' hooks
             self.engine.place(slots, wanted)
-        message = {"switch": "offload='auto': the trial switches to CUDA AdamW over mapped host memory",
-                   "keep": f"offload='auto': CUDA AdamW over mapped host memory stays: {trial.summary()}",
-                   "revert": f"offload='auto': back to host AdamW: {trial.summary()}"}[action]
+        if action == "switch":  # the summary needs both phases' timings: only once the trial ends
+            message = "offload='auto': the trial switches to CUDA AdamW over mapped host memory"
+        elif action == "keep":
+            message = f"offload='auto': CUDA AdamW over mapped host memory stays: {trial.summary()}"
+        else:
+            message = f"offload='auto': back to host AdamW: {trial.summary()}"
         if action != "switch":
             self.events.add("switch", message)
             self.trial = None
