@@ -160,7 +160,9 @@ class TrainStreamSession:
                                                 reserved_link_bytes=weakly(self._backward_h2d_bytes),
                                                 reserved_vram_bytes=weakly(self._state_bytes_to_move))
             if self.weights is not None and self.activations.offloader is not None:
-                self.activations.offloader.skip = self.weights.owns  # streamed weights are not activations
+                # Streamed weights are not activations. Weak: the offloader's pack hook may outlive unwrap()
+                # (an autograd graph keeps it), and must not keep the streamer's host copies with it.
+                self.activations.offloader.skip = weakly(self.weights.owns, gone=False)
             attention = resolve_wrap_default(options.attention, device, self.world, self.events)
             self.attention = AttentionChooser(attention, events=self.events,
                                               may_reset_peak=weakly(self._adapting))

@@ -11,15 +11,20 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+_RAISE = object()
 
-def weakly(method: Callable) -> Callable:
-    """A function calling the bound `method` while its object lives; ReferenceError after."""
+
+def weakly(method: Callable, gone=_RAISE) -> Callable:
+    """A function calling the bound `method` while its object lives; after, it returns `gone` when given,
+    else raises ReferenceError."""
     ref = weakref.WeakMethod(method)
     name = method.__qualname__
 
     def call(*args, **kwargs):
         bound = ref()
         if bound is None:
+            if gone is not _RAISE:
+                return gone
             raise ReferenceError(f"{name}: its object no longer exists")
         return bound(*args, **kwargs)
 
