@@ -13,6 +13,7 @@ import trainstream
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+CLIP = 0.05
 SHAPE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 
@@ -38,7 +39,7 @@ def test_all_linear_lora_on_moe_shapes_under_bf16_autocast_trains_as_torch(build
     assert len(trained) >= 28  # q, k, v, o and the dense MLP / shared expert linears of both layers
     before = {n: p.detach().clone() for n, p in reference.named_parameters() if n in trained}
     model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                                           lr=1e-2), max_grad_norm=1.0, accumulation_steps=2)
+                                                           lr=1e-2), max_grad_norm=CLIP, accumulation_steps=2)
     ref_params = [p for p in reference.parameters() if p.requires_grad]
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-2)
     for step in range(3):
@@ -50,7 +51,8 @@ def test_all_linear_lora_on_moe_shapes_under_bf16_autocast_trains_as_torch(build
                 loss.backward()
         opt.step()
         opt.zero_grad()
-        trainstream._habits._ORIGINALS["clip_grad_norm_"](ref_params, 1.0)
+        norm = trainstream._habits._ORIGINALS["clip_grad_norm_"](ref_params, CLIP)
+        assert norm > CLIP and opt.stats()["last_grad_norm"] == pytest.approx(float(norm), rel=1e-3)  # clipped
         ref_opt.step()
         ref_opt.zero_grad()
     model._trainstream_session.synchronize()
