@@ -11,12 +11,11 @@ from collections.abc import Sequence
 import torch
 
 from . import _core
-from ._sizes import parse_bytes
+from ._sizes import _MAX_BYTES, parse_bytes
 
 __all__ = ["PinnedArena", "default_arena", "empty", "pinned_stats", "reserve_pinned"]
 
 SLAB_ENV = "TRAINSTREAM_HOST_ARENA_SLAB"
-_MAX_BYTES = 1 << 62
 DEFAULT_SLAB_BYTES = 1 << 30
 
 
