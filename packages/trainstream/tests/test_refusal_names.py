@@ -80,3 +80,16 @@ def test_every_name_a_refusal_mentions_exists():
 def test_the_scan_finds_the_refusals_it_checks():
     found = _named_in_refusals()
     assert {"max_grad_norm", "accumulation_steps", "param_offload", "quantize"} <= set(found)
+
+
+def test_the_planners_advice_names_wrap_options():
+    """ts-planner's advice reaches users in trainstream's refusals and `trainstream plan`: every ``name=`` in it
+    is a wrap() option (it once said optimizer='host', streamed_blocks='auto', activations='recompute' and
+    loss_chunk=1024, which wrap() does not take)."""
+    from ts_planner import _decide
+
+    options = set(trainstream.Config().options())
+    texts = [*_decide._ADVICE.values(), *(advice for _, advice in _decide._ADVICE_TAKEN.values())]
+    named = {m.group(1) for text in texts for m in re.finditer(r"(?<![\w.'\"])([a-z_][a-z0-9_]*)=(?!=)", text)}
+    assert {"param_offload", "quantize", "offload"} <= named  # the scan sees them
+    assert named <= options, sorted(named - options)

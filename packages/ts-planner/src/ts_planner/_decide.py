@@ -14,23 +14,26 @@ __all__ = ["Plan", "check_plan", "plan_memory"]
 
 GiB = float(1 << 30)
 _QUANT_AUTO = (None, "int8", "nf4")
-# What to try when a budget overflows, by (budget, largest category).
+# What to try when a budget overflows, by (budget, largest category), in trainstream.wrap()'s option names:
+# the words reach users through trainstream's refusals and `trainstream plan`.
+_STREAM = "param_offload='auto' (the blocks' weights stream from host RAM)"
 _ADVICE = {
-    ("VRAM", "activations_kept"): "activations='auto' (recompute or page them)",
+    ("VRAM", "activations_kept"): "activation_offload='auto' and recompute='auto' (page or recompute them)",
     ("VRAM", "activations_recompute"): "a smaller batch or shorter sequences",
     ("VRAM", "activations_paged"): "a smaller batch or shorter sequences",
-    ("VRAM", "optimizer_state"): "optimizer='host' (AdamW state in host RAM)",
-    ("VRAM", "gradients"): "optimizer='host' (gradients leave for the host as they are made)",
-    ("VRAM", "frozen_weights"): "quantize='nf4' or streamed blocks (streamed_blocks='auto')",
-    ("VRAM", "trained_weights"): "streamed blocks (streamed_blocks='auto') or LoRA adapters",
+    ("VRAM", "optimizer_state"): "offload=True (AdamW state in host RAM)",
+    ("VRAM", "gradients"): "optimizer_mode='cpu' (gradients leave for host RAM as they are made)",
+    ("VRAM", "frozen_weights"): f"quantize='nf4' or {_STREAM}",
+    ("VRAM", "trained_weights"): f"{_STREAM} or LoRA adapters",
     ("VRAM", "stream_buffers"): "quantize='nf4' (smaller blocks to stream)",
-    ("VRAM", "output_and_loss"): "the chunked loss (loss_chunk=1024) or fewer tokens per step",
+    ("VRAM", "output_and_loss"): "the chunked loss (trainstream.chunked_cross_entropy; TrainStreamTrainer's "
+                                 "chunked_loss) or fewer tokens per step",
     ("VRAM", "hidden_states"): "fewer tokens per step",
     ("VRAM", "backward_working_set"): "fewer tokens per step",
     ("VRAM", "cuda_context"): "a GPU with more memory",
     ("host RAM", "optimizer_state"): "moment_dtype='bfloat16', LoRA adapters, or more host RAM",
     ("host RAM", "streamed_weights"): "quantize='nf4' (smaller streamed blocks) or more host RAM",
-    ("host RAM", "activation_pages"): "recomputation instead of paging (activations='recompute')",
+    ("host RAM", "activation_pages"): "recompute=True instead of paging (activation_offload=False)",
     ("host RAM", "runtime"): "more host RAM",
 }
 
@@ -152,7 +155,7 @@ def _overflow(e: MemoryEstimate, budget: Budget) -> tuple[tuple[str, str, int], 
 # Advice that the options already follow, replaced by what is left to try.
 _ADVICE_TAKEN = {
     ("host RAM", "optimizer_state"): (lambda o: o.moment_dtype == "bfloat16", "LoRA adapters, or more host RAM"),
-    ("VRAM", "frozen_weights"): (lambda o: o.quantize == "nf4", "streamed blocks (streamed_blocks='auto')"),
+    ("VRAM", "frozen_weights"): (lambda o: o.quantize == "nf4", _STREAM),
     ("VRAM", "activations_kept"): (lambda o: o.page + o.recompute > 0, "more blocks recomputed or paged"),
 }
 
