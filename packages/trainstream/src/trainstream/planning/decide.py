@@ -7,7 +7,7 @@ order, each step reading only what the steps before it settled:
   1. the training device;
   2. host_embedding: the input embedding's table stays in host memory (a GPU run with a candidate);
   3. moment_dtype: fp32 moments where the optimizer state fits the page-lock budget, else bf16
-     (``memory.plan.plan_host_memory``; under data parallel the largest rank's share);
+     (``memory.sizing.plan_host_memory``; under data parallel the largest rank's share);
   4. param_offload: which blocks stream (the fewest with which the plan fits, in ts-planner's spread
      order), and the quantization that implies when nothing fits resident;
   5. stream_packing: streamed bf16 weights cross the link packed, where host RAM holds both copies;
