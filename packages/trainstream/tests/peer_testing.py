@@ -41,9 +41,15 @@ def train(peer_option, device="cpu"):
     return result
 
 
-def worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
-    """``device`` "cuda": every rank on GPU 0 (two processes sharing one GPU, where CUDA IPC works)."""
+def worker(rank: int, world: int, port: int, out: str, device: str = "cpu", split: bool = False) -> None:
+    """``device`` "cuda": every rank on GPU 0 (two processes sharing one GPU, where CUDA IPC works).
+    ``split``: the last rank says it is on another machine (a Slurm-style launch: no LOCAL_WORLD_SIZE)."""
     torch.set_num_threads(1)
+    if split and rank == world - 1:
+        from trainstream.weights import shared_host
+
+        key = shared_host.machine_key()
+        shared_host.machine_key = lambda: key + "|elsewhere"
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=60))
     try:

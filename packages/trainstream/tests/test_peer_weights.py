@@ -16,7 +16,7 @@ from trainstream.weights import peer
 def test_peer_pools_serve_streamed_blocks_bit_for_bit(tmp_path, monkeypatch, device):
     """On the CPU ts-peer's host backend; on CUDA two processes share GPU 0 and the pools are device
     memory the other rank reads through CUDA IPC."""
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one machine by its key, whatever the launcher sets
     mp.spawn(worker, args=(2, free_port(), str(tmp_path), device), nprocs=2, join=True)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
@@ -29,6 +29,20 @@ def test_peer_pools_serve_streamed_blocks_bit_for_bit(tmp_path, monkeypatch, dev
         # Same fetches; those of the steps after the set-up came from the pool, the earlier ones from the host.
         assert pooled["streaming"]["h2d_bytes"] == host["streaming"]["h2d_bytes"]
         assert 0 < pooled["peer_bytes"] < pooled["streaming"]["h2d_bytes"]
+
+
+def test_ranks_on_two_machines_keep_streaming_from_host_memory(tmp_path, monkeypatch):
+    """Ranks launched as Slurm's srun does (no LOCAL_WORLD_SIZE), one on another machine (its machine key):
+    peer='auto' is off with the reason on every rank, and training goes on from host memory. Before: the
+    world size was taken for the machine's, and the pool's set-up failed at step 10."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path), "cpu", True), nprocs=2, join=True)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        host, asked = r["host"], r["peer"]
+        assert asked["losses"] == host["losses"] and asked["streaming"]["source"] == "host"
+        assert asked["peer_bytes"] == 0
+        assert any("the group spans machines (2 ranks, 1 on this one)" in e for e in asked["events"]), asked["events"]
 
 
 def test_peer_is_off_with_the_reason_without_ranks():

@@ -10,12 +10,11 @@ measured peak. Every outcome is an event; an unusable setup leaves host streamin
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .._schedule import PEER_SETUP_STEP
 from ..memory.sizing import GiB, vram_budget
+from . import shared_host
 
 __all__ = ["SETUP_STEP", "check_peer_option", "setup_peer"]
 
@@ -39,11 +38,21 @@ def _why_not(streamer, option) -> str | None:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return "peer pools need data parallel ranks (an initialized process group of 2 or more)"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    if local != dist.get_world_size():
-        return (f"the group spans machines ({dist.get_world_size()} ranks, {local} on this one): peer pools over "
-                f"a local group are not built yet")
     return None
+
+
+def _spans_machines() -> str | None:
+    """Collective: why not, when the ranks are on more than one machine. The machine rule is the shared host
+    copy's (``shared_host.machine_key``: hostname, boot id and /dev/shm), not a guess from LOCAL_WORLD_SIZE,
+    which Slurm-style launches do not set."""
+    dist = torch.distributed
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, shared_host.machine_key())
+    here = sum(k == keys[dist.get_rank()] for k in keys)
+    if here == len(keys):
+        return None
+    return (f"the group spans machines ({len(keys)} ranks, {here} on this one): peer pools over a machine's own "
+            f"group are not built yet")
 
 
 def _own_budget(option, streamer, device: torch.device, headroom: float) -> int:
@@ -61,6 +70,10 @@ def setup_peer(streamer, option, device: torch.device, headroom: float, events):
     if why is not None:
         if why:
             events.add("peer", f"peer={option!r}: off: {why}")
+        return None
+    why = _spans_machines()
+    if why is not None:
+        events.add("peer", f"peer={option!r}: off: {why}")
         return None
     import ts_peer
 
