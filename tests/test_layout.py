@@ -129,3 +129,13 @@ def test_trainstream_has_no_import_cycle():
     cycles = sorted(f"{unit} -> {target} ({where}), and back" for unit, targets in edges.items()
                     for target, where in targets if reaches(target, unit))
     assert not cycles, "import cycles between trainstream's modules:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
+def test_package_ships_its_typing_marker(package):
+    """py.typed (PEP 561) beside __init__.py, and in the installed package, so type checkers read the signatures."""
+    import importlib.resources
+
+    import_name = package.name.replace("-", "_")
+    assert (package / "src" / import_name / "py.typed").is_file()
+    assert importlib.resources.files(import_name).joinpath("py.typed").is_file()

@@ -171,3 +171,16 @@ def test_ctrl_c_is_one_line_and_exit_code_130():
         run.kill()
     assert run.returncode == 130, err
     assert err.rstrip().endswith("trainstream: interrupted") and "Traceback" not in err, err[-2000:]
+
+
+def test_version_names_trainstream_its_cores_and_torch(capsys):
+    import trainstream
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"trainstream {trainstream.__version__}"
+    assert [line.split()[0] for line in lines] == ["trainstream", "ts-pinned", "ts-adamw", "ts-quant", "ts-planner",
+                                                   "ts-kvcache", "ts-peer", "torch"]
+    assert lines[-1] == f"torch {torch.__version__}"

@@ -105,6 +105,9 @@ def _json_path(text: str) -> str:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="trainstream", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ._versions import installed_versions
+
+    parser.add_argument("--version", action="version", version=installed_versions())
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto",
                         help="model size (auto: tiny on the CPU, small on a GPU)")
     parser.add_argument("--model", default=None, metavar="smollm2|FILE.gguf",

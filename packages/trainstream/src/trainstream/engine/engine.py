@@ -9,7 +9,7 @@ cost about 200 us of host time each). With
 ``max_grad_norm``, gradients are collected first and every update waits for the global norm at
 step(). Without clipping, a step's updates therefore use the param groups' values as they were when
 its first gradient arrived; a value changed after that (between backward() and step()) is refused at
-the end of step() (``late_edits``) rather than applied to part of the step. Every change of a slot goes through ``ParamSlot.move`` inside ``interrupts.critical()``;
+the end of step() (``window.py``) rather than applied to part of the step. Every change of a slot goes through ``ParamSlot.move`` inside ``interrupts.critical()``;
 waits happen outside, so Ctrl-C is prompt and never leaves a transition half-done.
 
 Data parallel (``step_hook``, from ``trainstream.distributed``): no slot has a hook; at step() the
@@ -35,13 +35,13 @@ from .slots import ParamSlot, SlotState, grad_in_memory_order
 from .updates import (
     DeviceBatch,
     HostUpdater,
-    Hyper,
     device_batches,
     group_hypers,
     hyper_of,
     launch_batches,
     launch_device_update,
 )
+from .window import WindowHypers
 
 __all__ = ["UpdateEngine", "UpdateFailed"]
 
@@ -89,10 +89,7 @@ class UpdateEngine(ChannelOwner):
         weakref.finalize(self, self.host.stop_soon).atexit = False  # at exit, updates.py's handler drains them
         self.last_grad_norm: float | None = None
         self._clip_scale: float | None = None  # this step's coefficient, kept until all its updates are queued
-        # Without clipping, updates start as gradients arrive: the hyper-parameters of each param group read
-        # for the first of them this window (id(group) -> (slot, Hyper)), used for the rest of the window so a
-        # step is one set of values, and compared with the groups' at the end of step() (late_edits).
-        self._window_hypers: dict[int, tuple[ParamSlot, Hyper]] = {}
+        self.window = WindowHypers(seed)  # without clipping: one set of hyper-parameters per step (window.py)
         self._device_done: torch.cuda.Event | None = None  # the newest device update of this step
         # Fused launches' fixed arguments, for the slot set they were built for (None: rebuild).
         self._batches: tuple[tuple, list[DeviceBatch]] | None = None
@@ -209,7 +206,7 @@ class UpdateEngine(ChannelOwner):
             return
         _check_dense(slot, grad)
         immediate = self.max_grad_norm is None
-        hyper = self._hypers_of_window([slot])[id(slot.group)] if immediate else None
+        hyper = self.window.of([slot])[id(slot.group)] if immediate else None
         self._follow_user_edit(slot)
         src = grad_in_memory_order(grad.detach(), slot.param) if immediate else None
         if immediate:
@@ -236,7 +233,7 @@ class UpdateEngine(ChannelOwner):
         for s in slots:
             _check_dense(s, s.param.grad)
         immediate = self.max_grad_norm is None
-        hypers = self._hypers_of_window(slots) if immediate else None
+        hypers = self.window.of(slots) if immediate else None
         for s in slots:
             self._follow_user_edit(s)
         sources = [grad_in_memory_order(s.param.grad.detach(), s.param) for s in slots]
@@ -257,37 +254,6 @@ class UpdateEngine(ChannelOwner):
             self._submit(slots)
 
     # ---- gradient buckets (buckets.py) ----------------------------------------------------
-
-    def _hypers_of_window(self, slots: list[ParamSlot]) -> dict[int, Hyper]:
-        """The hyper-parameters of `slots`' groups for updates starting now, without clipping: those read for
-        this window's first update of the group, else read (and checked) now."""
-        window = self._window_hypers
-        fresh = group_hypers([s for s in slots if id(s.group) not in window], 1.0, self.seed)
-        for s in slots:
-            if id(s.group) in fresh:
-                window[id(s.group)] = (s, fresh[id(s.group)])
-        return {key: window[key][1] for key in {id(s.group) for s in slots}}
-
-    def late_edits(self) -> str | None:
-        """Ends the window's hyper-parameter record: a refusal naming each value a param group changed after
-        this window's updates had started with the old one (between backward() and step()), else None."""
-        window, self._window_hypers = self._window_hypers, {}
-        changes = []
-        for slot, used in window.values():
-            try:
-                now = hyper_of(slot, 1.0, self.seed)
-            except ValueError as error:  # an invalid value: this step is done; the next one refuses it too
-                changes.append(str(error))
-                continue
-            changes += [f"{key} {getattr(used, key)!r} -> {getattr(now, key)!r} (the param group of {slot.label})"
-                        for key in ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
-                        if getattr(used, key) != getattr(now, key)]
-        if not changes:
-            return None
-        return (f"hyper-parameters changed between backward() and step(): {'; '.join(changes)}. The updates "
-                f"of host- or mapped-placed state start during backward, as the gradients arrive (without "
-                f"max_grad_norm), so this step ran with the earlier values and the next uses the new ones. "
-                f"Change param_groups before backward() or after step(), as torch's LR schedulers do")
 
     def _rebuild_buckets(self) -> None:
         self._take_pending()
@@ -347,7 +313,7 @@ class UpdateEngine(ChannelOwner):
 
     def step(self) -> str | None:
         """Takes gradients still accumulating, applies clipping, queues the remaining updates, and
-        (guard_params) orders every later read of a weight after its update. Returns late_edits()'s
+        (guard_params) orders every later read of a weight after its update. Returns window.late_edits()'s
         refusal, for the caller to raise once its own bookkeeping of the step is done."""
         self.raise_errors()
         self._requeue_orphans(self.slots)
@@ -379,7 +345,7 @@ class UpdateEngine(ChannelOwner):
             slot.taken = False
         if self.guard_params:
             self.guard_reads()
-        return self.late_edits()
+        return self.window.late_edits()
 
     def _take_resident(self, slots: list[ParamSlot]) -> None:
         """Device slots (no hook) with gradients: one fused launch now, or ARRIVED for the norm."""
@@ -411,12 +377,12 @@ class UpdateEngine(ChannelOwner):
         group's hyper-parameters read and checked once per group, user edits followed, one launch per
         (group, step count). Everything that can fail comes before the launch."""
         batches = self._device_batches(slots)
-        window = self._window_hypers if self.max_grad_norm is None else {}
         hypers: dict[int, object] = {}
         for batch in batches:  # in slot order: a bad value names its group's first trained parameter
             key = id(batch.group)
             if key not in hypers:
-                hypers[key] = window[key][1] if key in window else hyper_of(batch.slots[0], grad_scale, self.seed)
+                read = self.window.get(batch.group) if self.max_grad_norm is None else None
+                hypers[key] = read if read is not None else hyper_of(batch.slots[0], grad_scale, self.seed)
         for batch in batches:
             if self._follow_edits(batch):
                 self._batches = None
@@ -526,7 +492,7 @@ class UpdateEngine(ChannelOwner):
                     s.micro = 0
                     s.move(S.IDLE)
         self._clip_scale = None
-        self._window_hypers = {}  # edits before the next backward are the next window's values
+        self.window.clear()  # edits before the next backward are the next window's values
         if self.step_hook is not None:
             self.step_hook.discard()  # data parallel: the window's gradient count starts again
 
