@@ -163,6 +163,16 @@ def test_a_deep_copy_of_a_wrapped_model_carries_no_hook(options):
     assert "__deepcopy__" not in vars(model) and _hooks(copy.deepcopy(model)) == plain
 
 
+def test_a_deep_copy_goes_through_the_model_s_own_getstate():
+    """Module.__getstate__ drops the compiled call model.compile() set (it refers to the original model)."""
+    model, _ = trainstream.wrap(tiny_llama(), lr=1e-2)
+    model._compiled_call_impl = lambda *args, **kwargs: model(*args, **kwargs)  # as model.compile() sets it
+    ema = copy.deepcopy(model)
+    assert getattr(ema, "_compiled_call_impl", None) is None and _hooks(ema) == _hooks(tiny_llama())
+    model._compiled_call_impl = None  # as Module.__init__ leaves it
+    trainstream.unwrap(model)
+
+
 def test_deepcopy_and_torch_save_of_a_wrapped_model_give_a_plain_model():
     model, opt = trainstream.wrap(tiny_llama(), lr=1e-2)
     _train(model, opt, batches(2))

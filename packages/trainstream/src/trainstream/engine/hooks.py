@@ -96,7 +96,8 @@ class PlainDeepcopy:
         cls = type(model)
         new = cls.__new__(cls)
         memo[id(model)] = new
-        state = {k: v for k, v in vars(model).items() if k not in self._skip}
+        # The class's own __getstate__ (Module's drops a compiled call of the original) without ours.
+        state = {k: v for k, v in model.__getstate__().items() if k not in self._skip}
         new.__setstate__(copy.deepcopy(state, memo))  # as copy's own reconstruction of a Module
         remove_inert_hooks(new)
         return new
