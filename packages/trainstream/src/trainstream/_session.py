@@ -315,7 +315,7 @@ class TrainStreamSession:
             return f"peer={self.config.peer!r}: no peer pool (the events say why)", []
         return "streamed frozen blocks come from the peer GPUs' pools", [("weights_source", "host", "peer")]
 
-    def _agree_on_attention(self) -> None:
+    def _agree_on_attention(self) -> tuple[str, list]:
         """attention='auto' under data parallel: after each of the first steps every rank takes the mean
         of all ranks' timings, so all pin the same kernels (collective: every rank, same steps)."""
         chooser = self.attention
@@ -340,8 +340,9 @@ class TrainStreamSession:
 
     # ---- adaptation after the first measured step --------------------------------
 
-    def _adapt(self) -> None:
-        """After the first step: move optimizer state into the VRAM the step left free.
+    def _adapt(self) -> tuple[str, list]:
+        """After the first step: move optimizer state into the VRAM the step left free. Returns the transition's
+        reason and changes (as every scheduled transition does).
 
         offload='auto' moves all of it when it fits (the stock fused-AdamW
         arrangement, fp32 master weights in VRAM); optimizer_mode='auto' moves
