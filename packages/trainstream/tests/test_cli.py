@@ -19,6 +19,8 @@ def test_default_run_trains_and_reports(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "optimizer_mode='cpu'" in printed.out  # the plan is printed before training
     assert "memory report" in printed.out
+    assert "  optimizer state   host " in printed.out
+    assert '"pinned"' not in printed.out and len(printed.out.splitlines()) < 40  # a summary, not the JSON report
     assert "step   12/12" in printed.err  # the progress bar reached the end
     result = json.loads(out.read_text())
     assert len(result["losses"]) == 12
@@ -184,3 +186,21 @@ def test_version_names_trainstream_its_cores_and_torch(capsys):
     assert [line.split()[0] for line in lines] == ["trainstream", "ts-pinned", "ts-adamw", "ts-quant", "ts-planner",
                                                    "ts-kvcache", "ts-peer", "torch"]
     assert lines[-1] == f"torch {torch.__version__}"
+
+
+def test_the_summary_says_what_streams_is_quantized_and_what_moved():
+    from trainstream._report import summary_lines
+
+    report = {"optimizer": {"placements": {"device": {"values": 2_000_000, "state_bytes": 3 << 30}},
+                            "moment_dtype": "float32", "steps": 7},
+              "params": {"paged_blocks": [1, 3], "load_bytes": 2 << 30, "quantize": "nf4", "quantized_blocks": [0, 1]},
+              "gpu": {"peak_allocated": 5 << 30}, "pinned": {"arena_used": 1 << 30},
+              "plan": {"decisions": [{"option": "quantize", "value": "nf4"}],
+                       "transitions": [{"step": 1, "transition": "optimizer_placement", "reason": "it fits",
+                                        "changes": {"optimizer_placement": {}}},
+                                       {"step": 2, "transition": "mapped_trial", "reason": "timed", "changes": {}}]}}
+    text = "\n".join(summary_lines(report))
+    assert "device 2.0 M values (3.00 GiB); float32 moments; 7 steps" in text
+    assert "blocks [1, 3] from host memory, 2.00 GiB per step" in text and "nf4: 2 blocks" in text
+    assert "peak 5.00 GiB allocated" in text and "decided           quantize='nf4'" in text
+    assert "optimizer_placement: it fits" in text and "mapped_trial" not in text  # only transitions that changed

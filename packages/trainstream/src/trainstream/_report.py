@@ -111,3 +111,31 @@ def _quantized(session) -> dict:
     fractions = [float(getattr(m, "outliers", 0.0) or 0.0) for m in session.model.modules()
                  if isinstance(m, QuantLinear)]
     return {**info, "quantized_blocks": list(blocks), "outliers": max(fractions, default=0.0)}
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A few lines of a wrapped model's ``memory_report()`` for a console: where the optimizer state is, what
+    streams, the peaks, and the plan's automatic decisions (the whole report is the JSON)."""
+    optimizer = report["optimizer"]
+    places = ", ".join(f"{place} {p['values'] / 1e6:.1f} M values ({p['state_bytes'] / 2**30:.2f} GiB)"
+                       for place, p in optimizer["placements"].items()) or "nothing trained"
+    lines = [f"optimizer state   {places}; {optimizer['moment_dtype']} moments; {optimizer['steps']} steps"]
+    params = report["params"]
+    if params.get("paged_blocks"):
+        lines.append(f"streamed weights  blocks {params['paged_blocks']} from host memory, "
+                     f"{params['load_bytes'] / 2**30:.2f} GiB per step")
+    if params.get("quantize"):
+        lines.append(f"quantized         {params['quantize']}: {len(params['quantized_blocks'])} blocks")
+    gpu = report["gpu"]
+    if gpu and gpu["peak_allocated"]:  # on the CPU: nothing to say
+        lines.append(f"GPU memory        peak {gpu['peak_allocated'] / 2**30:.2f} GiB allocated")
+    pinned = report["pinned"]
+    lines.append(f"host memory       {pinned.get('arena_used', 0) / 2**30:.2f} GiB in trainstream's host arena")
+    plan = report.get("plan") or {}
+    decided = ", ".join(f"{d['option']}={d['value']!r}" for d in plan.get("decisions", []))
+    if decided:
+        lines.append(f"decided           {decided}")
+    for t in plan.get("transitions", []):
+        if t["changes"]:
+            lines.append(f"after step {t['step']:<6} {t['transition']}: {t['reason']}")
+    return lines

@@ -546,6 +546,7 @@ def _check_demo_size(args, size: str, device: torch.device, dtype: torch.dtype) 
 def _main(argv: list[str] | None) -> int:
     import trainstream
     from trainstream._demo_text import byte_batches
+    from trainstream._report import summary_lines
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
@@ -588,8 +589,8 @@ def _main(argv: list[str] | None) -> int:
     report = trainstream.memory_report(model)
     steady = sorted(times[2:] or times)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; median step {steady[len(steady) // 2] * 1000:.1f} ms")
-    print("memory report:")
-    print(json.dumps({k: v for k, v in report.items() if k != "events"}, indent=2, default=str))
+    print("memory report (the whole of it, and every event, with --json PATH):")
+    print("\n".join(f"  {line}" for line in summary_lines(report)))
     if args.json:
         _write_json(args.json, {"losses": losses, "step_seconds": times, "report": report})
     return 0
