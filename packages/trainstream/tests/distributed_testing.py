@@ -132,7 +132,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 # ---- scenarios (run on every rank) ------------------------------------------------------------
 
 def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=None, with_model=True,
-           overlap=True):
+           overlap=True, resume_dcp=None):
     import trainstream
     import trainstream.distributed
 
@@ -147,12 +147,16 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
             model.load_state_dict(saved["model"])  # else the weights come from the owners' saved masters
         optimizer.load_state_dict(saved["optimizer"])
         start = SAVE_AT
+    if resume_dcp is not None:  # the sharded checkpoint: each rank reads only the state it owns
+        trainstream.distributed.load_checkpoint(model, optimizer, resume_dcp)
+        start = SAVE_AT
 
     def on_step(done):
         if save and done == SAVE_AT:
             state = {"model": weights(model), "optimizer": optimizer.state_dict()}  # collective
             if rank == 0:
                 torch.save(state, out / "checkpoint-2ranks.pt")
+            trainstream.distributed.save_checkpoint(model, optimizer, out / "dcp-2ranks")  # collective, sharded
 
     train_steps(model, optimizer, STEPS, rank, world, accumulation, start, on_step=on_step)
     report = trainstream.memory_report(model)
@@ -371,6 +375,7 @@ SCENARIOS = {
     "discard": lambda r, w, o: _overlap_run(r, w, o, what="discard"),
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
+    "resume_dcp": lambda r, w, o: _train(r, w, o, resume_dcp=o / "dcp-2ranks"),
     "rewrap": _rewrap,
     "attention_agree": _attention_agree,
     "unfreeze": _unfreeze,

@@ -47,7 +47,7 @@ def two(out):
 
 @pytest.fixture(scope="module")
 def three(out, two):  # `two` wrote the checkpoint that "resume" loads
-    return run_ranks(3, [*TRAINING, *OVERLAP, "resume", "resume_optimizer_only", "rank_dies"], out)
+    return run_ranks(3, [*TRAINING, *OVERLAP, "resume", "resume_optimizer_only", "resume_dcp", "rank_dies"], out)
 
 
 def _reference(clip=None, accumulation=1) -> dict:
@@ -129,6 +129,33 @@ def test_a_checkpoint_from_two_ranks_resumes_on_three(out, three):
         assert _max_diff(_result(three, "resume", rank)["weights"], reference) <= TOL
         # Without model.load_state_dict the weights come from the saved masters, on every rank.
         assert _max_diff(_result(three, "resume_optimizer_only", rank)["weights"], reference) <= TOL
+
+
+def test_a_sharded_checkpoint_from_two_ranks_resumes_on_three_and_in_one_process(out, two, three):
+    """save_checkpoint / load_checkpoint (torch.distributed.checkpoint): each rank wrote only the state it owned
+    (DCP's metadata says which file holds each tensor), and the run resumes on 3 ranks and in one process as the
+    gathered checkpoint does."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = out / "dcp-2ranks"
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    for rank in range(2):
+        for index in _result(two, "plain", rank)["owned"]:
+            for field in ("exp_avg", "exp_avg_sq", "master_param"):
+                assert where[f"optimizer.state.{index}.{field}"] == f"__{rank}_0.distcp"  # its owner's file only
+    assert sorted({where[k] for k in where if k.startswith("optimizer.state.")}) == ["__0_0.distcp", "__1_0.distcp"]
+    reference = _reference()
+    for rank in range(3):
+        assert _max_diff(_result(three, "resume_dcp", rank)["weights"], reference) <= TOL
+    model = make_model(seed=7)
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    try:
+        tsd.load_checkpoint(model, optimizer, folder)
+        train_steps(model, optimizer, STEPS, 0, 1, start=SAVE_AT)
+        assert _max_diff(weights(model), reference) <= TOL
+    finally:
+        trainstream.unwrap(model)
 
 
 def test_a_checkpoint_from_two_ranks_resumes_in_one_process(out, two):

@@ -224,8 +224,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._steps().load(self, state_dict, _validated)
             return
         groups, entries = _validated(self, state_dict, {s.index: s for s in session.engine.slots})
-        shared = session.engine.step_hook  # data parallel: every rank loads the same full state, keeps its own
-        loaded = [slot for slot, _ in entries]
+        # Data parallel: every rank loads the same full state and keeps its own share.
+        self._load_attached(groups, entries, [slot for slot, _ in entries])
+
+    def _load_attached(self, groups: list, entries: list, loaded: list) -> None:
+        """Applies validated state while attached: `entries` the (slot, entry) pairs this rank may hold (under data
+        parallel its owned ones are kept), `loaded` every slot with state on any rank, the same list on every
+        rank (their owners share the weights they rewrote: collective)."""
+        session = self._session
+        shared = session.engine.step_hook
         if shared is not None:
             entries = [(slot, entry) for slot, entry in entries if slot.owned]
         session.synchronize()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import ModelMismatch, check_same_model, check_same_options, describe_slots
 from .collectives import Comm, DistributedError
 from .data_parallel import DataParallel
@@ -21,8 +22,8 @@ from .sharding import Bucket, assign_owners, make_buckets
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "Bucket", "Comm", "DataParallel", "DistributedError",
            "ModelMismatch", "active_world", "assign_owners", "check_options", "check_same_model", "check_same_options",
-           "describe_slots", "make_buckets",
-           "report", "setup", "world_of"]
+           "describe_slots", "load_checkpoint", "make_buckets",
+           "report", "save_checkpoint", "setup", "world_of"]
 
 DEFAULT_TIMEOUT_S = 600.0  # each collective's wait; a rank that died or stalled raises after this
 # Bytes per bucket: NCCL as DDP's default; gloo on the CPU measured fastest at 2-4 MiB (8.4 M fp32 values
