@@ -122,8 +122,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="AdamW learning rate, > 0 (default 1e-3; 2e-4 with --model)")
     parser.add_argument("--device", type=_device, default=None,
                         help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--vram-gb", type=_gigabytes, default=None,
-                        help="cap this process's VRAM, in GB (> 0)")
+    parser.add_argument("--vram-gb", type=_gigabytes, default=None, help="cap this process's VRAM, in GB (> 0)")
     parser.add_argument("--optimizer-mode", choices=["cpu", "gpu", "auto"], default="cpu")
     parser.add_argument("--offload", choices=["auto", "on"], default="on",
                         help="on: keep the optimizer in host memory; auto: move it to VRAM if it fits")
@@ -385,9 +384,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                         metavar="TOKENS", help="as TrainStreamTrainer's loss_chunk_size: tokens per chunk of the "
                                                "chunked loss (default: full logits, as Hugging Face computes them)")
     parser.add_argument("--vram-gb", type=_gigabytes, default=None,
-                        help="GPU memory to plan for, GB (default: this GPU, its per-process fraction applied)")
+                        help="GPU memory to plan for, in GB of 10**9 bytes (the plan prints GiB; default: this GPU, "
+                             "its per-process fraction applied)")
     parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_gigabytes, default=None,
-                        help="host RAM to plan for, GB (default: this machine's available RAM, cgroup-bounded, "
+                        help="host RAM to plan for, in GB of 10**9 bytes (default: this machine's available RAM, cgroup-bounded, "
                              "split between LOCAL_WORLD_SIZE processes)")
     parser.add_argument("--local-ranks", type=_positive_int, default=None, metavar="N",
                         help="plan one of N data-parallel processes on this machine: each gets 1/N of its RAM "
@@ -482,8 +482,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     if args.as_json:
         print(json.dumps({"model": name, **plan.to_dict(), "decisions": _decisions(plan), "rates": rates}, indent=1))
     else:
-        print(f"trainstream plan: {name}; budget: {budget.vram_bytes / 1e9:.1f} GB VRAM, {budget.host_bytes / 1e9:.1f} GB "
-              f"host RAM ({budget.source}); {rates}")
+        print(f"trainstream plan: {name}; budget: {budget.vram_bytes / 2**30:.1f} GiB VRAM, {budget.host_bytes / 2**30:.1f} "
+              f"GiB host RAM ({budget.source}); {rates}")
         print(plan.explain())
     return 0 if plan.fits else PLAN_EXIT_REFUSED
 
