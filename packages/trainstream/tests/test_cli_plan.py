@@ -220,3 +220,17 @@ def test_flags_and_decisions_use_the_configuration_s_names(capsys):
     new = json.loads(_run(["--size", "14b", "--lora", "16", "--vram-gb", "24", "--host-gb", "100", "--json",
                            "--param-offload", "0.25", "--offload", "true", "--loss-chunk-size", "512"], capsys)[1])
     assert old == new and new["streamed_blocks"] == 12 and new["optimizer"] == "host"
+
+
+def test_world_size_prices_one_rank_s_share_of_the_host_state(capsys):
+    """--world-size N: each rank holds the host state of the tensors it owns, priced for the busiest owner (at 128
+    ranks the output layer's). Before: every process was given the whole optimizer state."""
+    state = {}
+    for ranks in (1, 8, 128):
+        code, out = _run(["--size", "14b", "--full", "--vram-gb", "80", "--host-gb", "2000", "--json",
+                          "--world-size", str(ranks)], capsys)
+        state[ranks] = json.loads(out)["host"]["optimizer_state"]
+    assert state[8] == pytest.approx(state[1] / 8, rel=0.01)
+    assert state[1] / 128 < state[128] < state[1] / 16  # the output layer's owner: 6.7x the average
+    code, out = _run(["--size", "14b", "--full", "--vram-gb", "24", "--host-gb", "64", "--world-size", "64"], capsys)
+    assert code == 0, out  # a 14B full fine-tune's state fits 64 GB per rank when 64 ranks split it

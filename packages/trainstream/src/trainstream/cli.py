@@ -319,10 +319,7 @@ def _write_json(path: str, data: dict) -> None:
 
 # Qwen2.5's published shapes (tied embeddings up to 3B), and the demo's small decoders.
 PLAN_SIZES = {
-    "tiny": dict(SIZES["tiny"], tie_word_embeddings=True),
-    "small": dict(SIZES["small"], tie_word_embeddings=True),
-    "0.5b": dict(SIZES["0.5b"], tie_word_embeddings=True),
-    "1.5b": dict(SIZES["1.5b"], tie_word_embeddings=True),
+    **{name: dict(SIZES[name], tie_word_embeddings=True) for name in ("tiny", "small", "0.5b", "1.5b")},
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -389,6 +386,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_gigabytes, default=None,
                         help="host RAM to plan for, in GB of 10**9 bytes (default: this machine's available RAM, cgroup-bounded, "
                              "split between LOCAL_WORLD_SIZE processes)")
+    parser.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
+                        help="data-parallel ranks in all: each holds the host optimizer state of the tensors it owns")
     parser.add_argument("--local-ranks", type=_positive_int, default=None, metavar="N",
                         help="plan one of N data-parallel processes on this machine: each gets 1/N of its RAM "
                              "(unless --host-gb) and 1/N of the streamed frozen weights' one shared copy "
@@ -475,7 +474,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             lora_rank=args.lora_rank or 16, quantize=args.quantize,
             optimizer=optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
             streamed_blocks=streamed, prefer=args.prefer,
-            streamed_shared_by=ranks)
+            streamed_shared_by=ranks, state_shared_by=args.world_size)
     except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
         parser.error(str(error))
     rates = "measured rates" if profile is not None else "default rates (--measure for this machine's)"

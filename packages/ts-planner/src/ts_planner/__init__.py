@@ -5,7 +5,7 @@ from ._budget import Budget, machine_budget
 from ._decide import Plan, check_plan, plan_memory
 from ._formats import weight_bytes
 from ._local import local_process_count
-from ._memory import MemoryEstimate, Options, estimate_memory
+from ._memory import MemoryEstimate, Options, estimate_memory, state_share
 from ._planner import Block, ResidencyPlan, plan_residency, spread_order
 from ._profile import HardwareProfile, measure_host_bandwidth, measure_link, profile_hardware
 from ._shape import LORA_TARGETS, ModelShape
@@ -32,6 +32,7 @@ __all__ = [
     "profile_hardware",
     "saved_activation_bytes",
     "spread_order",
+    "state_share",
     "weight_bytes",
 ]
 __version__ = "0.1.0"

@@ -204,7 +204,8 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                 lora_rank: int = 16, lora_targets: tuple[str, ...] = LORA_TARGETS, adapter_dtype: str = "float32",
                 dtype: str = "bfloat16", quantize="auto", optimizer: str = "auto", moment_dtype: str = "auto",
                 activations="auto", streamed_blocks="auto", loss_chunk: int | None = None,
-                prefer: str = "exact", streamed_shared_by: int = 1, compact_lora_inputs: bool = False,
+                prefer: str = "exact", streamed_shared_by: int = 1, state_shared_by: int = 1,
+                compact_lora_inputs: bool = False,
                 stream_packing: float = 1.0, embedding_on_host: bool = False) -> Plan:
     """The plan that fits changing the least, or the closest one with ``fits=False`` and the reason.
 
@@ -214,6 +215,7 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     cheaper per block), the optimizer on the GPU, fp32 moments. ``activations``: "auto", "keep",
     "recompute", "page" or (keep, page, recompute). More memory never quantizes, streams or recomputes more.
     ``streamed_shared_by``: processes of this machine sharing one host copy of the streamed frozen weights.
+    ``state_shared_by``: data-parallel ranks splitting the host optimizer state (``state_share``).
     ``compact_lora_inputs``: LoRA layers save their 16-bit input (``Options``). ``stream_packing``: the fraction
     of a streamed block's frozen bytes that cross the link; ``embedding_on_host``: the frozen input embedding
     lives in host memory (both ``Options``).
@@ -223,7 +225,8 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     layers = shape.num_hidden_layers
     base = Options(batch=batch, seq=seq, train=train, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
                    adapter_dtype=adapter_dtype, dtype=dtype, loss_chunk=loss_chunk,
-                   streamed_shared_by=streamed_shared_by, compact_lora_inputs=compact_lora_inputs,
+                   streamed_shared_by=streamed_shared_by, state_shared_by=state_shared_by,
+                   compact_lora_inputs=compact_lora_inputs,
                    stream_packing=stream_packing, embedding_on_host=embedding_on_host)
     if quantize == "none":
         quantize = None

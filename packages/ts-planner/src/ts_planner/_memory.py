@@ -5,6 +5,7 @@ from the budget's rates. Sizes in bytes, rates in GB/s (1e9 bytes/s), params/s a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ._activations import block_backward_bytes, block_saved_tensors, checkpoint_bytes
 from ._formats import DTYPE_BYTES, WEIGHT_FORMATS, weight_bytes
@@ -27,6 +28,8 @@ class Options:
     chunk of trainstream's chunked loss (None: the full [tokens, vocab] logits, as Hugging Face computes them).
     ``streamed_shared_by``: processes of this machine that map one host copy of the streamed frozen
     weights (data parallel); each counts its share, as each gets its share of the machine's RAM.
+    ``state_shared_by``: data-parallel ranks among which trainstream splits the trained parameters' host
+    optimizer state, each tensor whole to one owner (``state_share``: the busiest owner's part is priced).
     ``compact_lora_inputs``: LoRA layers save their 16-bit input instead of a float32 copy (trainstream's
     option of that name). ``stream_packing``: the fraction of a streamed block's frozen bytes that cross the
     link (trainstream's ``stream_packing``: exponent-packed bf16, about 0.75; 1.0: as stored); below 1 a
@@ -52,6 +55,7 @@ class Options:
     streamed_blocks: int = 0
     loss_chunk: int | None = None
     streamed_shared_by: int = 1
+    state_shared_by: int = 1
     compact_lora_inputs: bool = False
     stream_packing: float = 1.0
     embedding_on_host: bool = False
@@ -67,6 +71,7 @@ class Options:
         count("recompute", self.recompute, 0)
         count("streamed_blocks", self.streamed_blocks, 0)
         count("streamed_shared_by", self.streamed_shared_by, 1)
+        count("state_shared_by", self.state_shared_by, 1)
         if self.keep is not None:
             count("keep", self.keep, 0)
         if isinstance(self.stream_packing, bool) or not (isinstance(self.stream_packing, (int, float))
@@ -158,6 +163,26 @@ def _block_weights(shape: ModelShape, o: Options) -> tuple[int, int, int, int]:
     return adapters, adapters * ad, frozen + 2 * shape.hidden_size * a, matmul
 
 
+def state_share(shape: ModelShape, options: Options) -> float:
+    """The fraction of the trained values whose host optimizer state the busiest of ``state_shared_by`` ranks
+    holds: whole tensors go to owners balanced by size, so an owner holds at least 1/ranks of them and at least
+    the largest tensor (the embedding or the output layer of a full fine-tune; with many ranks, far above
+    the average)."""
+    ranks = options.state_shared_by
+    if ranks == 1:
+        return 1.0
+    o, layers = options, shape.num_hidden_layers
+    stored = shape.weight_linears()
+    if o.train == "full":
+        trained = layers * shape.block_params + shape.embedding_params + shape.head_params
+        largest = max(shape.embedding_params, shape.head_params, *(n * i * j for _, i, j, _, n in stored))
+    else:
+        targets = [(i, j, n) for name, i, j, _, n in stored if name in o.lora_targets]
+        trained = layers * sum(n * o.lora_rank * (i + j) for i, j, n in targets)
+        largest = max((n * o.lora_rank * max(i, j) for i, j, n in targets), default=0)
+    return 1.0 if trained == 0 else max(1.0 / ranks, largest / trained)
+
+
 def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int = 512 * MiB,
                     runtime_host_bytes: int = 2 * GiB) -> MemoryEstimate:
     """The bytes one training step of `shape` needs with `options`, by category (see MemoryEstimate).
@@ -210,7 +235,8 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
             grads = max(in_flight, shape.head_params * a, shape.embedding_params * a)
         state = 0
         upload = trained_dtype if trained_dtype != 4 else 0  # the updated weights' staging copy
-        host_state, host_params = trained * (4 + 2 * m + trained_dtype + upload), trained
+        owned = math.ceil(trained * state_share(shape, o))  # data parallel: this rank's part (all of it alone)
+        host_state, host_params = owned * (4 + 2 * m + trained_dtype + upload), owned
     vram = {
         "cuda_context": cuda_context_bytes,
         "trained_weights": resident * block_trained_bytes + outer_trained * a
