@@ -195,7 +195,7 @@ def test_a_mixture_of_experts_config_counts_every_expert(tmp_path, capsys):
 
 # Flags that describe the run or the machine rather than set an option of wrap().
 RUN_FLAGS = {"--help", "--model", "--config", "--size", "--batch", "--seq", "--lora-rank", "--full", "--vram-gb",
-             "--host-gb", "--local-ranks", "--measure", "--json"}
+             "--host-gb", "--local-ranks", "--world-size", "--measure", "--json"}  # the run, not wrap() options
 
 
 def test_flags_and_decisions_use_the_configuration_s_names(capsys):
