@@ -227,6 +227,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Data parallel: every rank loads the same full state and keeps its own share.
         self._load_attached(groups, entries, [slot for slot, _ in entries])
 
+    def shared_loader(self, share: dict, loaded: list[int]):
+        """For ``trainstream.distributed.load_checkpoint``: checks `share` (this rank's part of a state dict:
+        its param groups and the entries it will own) as ``load_state_dict`` checks a whole one, and returns
+        the function that applies it; `loaded` holds the index of every parameter with state on any rank."""
+        slots = {s.index: s for s in self._session.engine.slots}
+        groups, entries = _validated(self, share, slots)
+        return lambda: self._load_attached(groups, entries, [slots[i] for i in loaded])
+
     def _load_attached(self, groups: list, entries: list, loaded: list) -> None:
         """Applies validated state while attached: `entries` the (slot, entry) pairs this rank may hold (under data
         parallel its owned ones are kept), `loaded` every slot with state on any rank, the same list on every

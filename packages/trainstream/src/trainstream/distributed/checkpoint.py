@@ -74,8 +74,6 @@ def load_checkpoint(model: torch.nn.Module, optimizer, path: str | os.PathLike) 
     """Loads what ``save_checkpoint`` wrote, at any number of ranks: the weights into the model, and into the
     optimizer the state of the parameters this rank owns (collective). Checked before anything changes, as
     ``optimizer.load_state_dict`` checks."""
-    from .._optimizer import _checked_entry, check_hyper
-
     session = _session(model, optimizer)
     path = os.fspath(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -95,11 +93,7 @@ def load_checkpoint(model: torch.nn.Module, optimizer, path: str | os.PathLike) 
             raise ValueError(f"the checkpoint in {path} lacks {key}")
     with _quiet_alone():
         dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
-    groups = state["optimizer"]["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}")
-    for number, group in enumerate(groups):
-        check_hyper(group, f"the checkpoint's param group {number}: ")
-    entries = [(slots[i], _checked_entry(slots[i], str(i), state["optimizer"]["state"][str(i)])) for i in mine]
+    # The optimizer checks its share as load_state_dict checks a whole state, before the model changes.
+    load = optimizer.shared_loader(state["optimizer"], indices)
     model.load_state_dict(state["model"])
-    optimizer._load_attached(groups, entries, [slots[i] for i in indices])
+    load()
