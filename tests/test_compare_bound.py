@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench"))
-import compare
+import _compare_bounds
 
 GB = 1e9
 
@@ -20,7 +20,7 @@ def _bound(host_values=0, streamed=0.0, paged=0.0, link=50 * GB):
               "placements": {"host": {"values": host_values}} if host_values else {},
               "weights": {"load_bytes": streamed},
               "activations": {"offloaded_blocks": [0, 1] if paged else [], "block_bytes": [block, block]}}
-    compare._lower_bound(result, None, link, adamw_rate=1e12)
+    _compare_bounds.lower_bound(result, None, link, adamw_rate=1e12)
     return result["lower_bound_terms"]["link"]
 
 

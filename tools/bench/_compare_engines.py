@@ -25,12 +25,17 @@ SHAPES = {
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 16
-FULL_ENGINES = ["stock-bf16", "stock-mixed", "deepspeed-zero2", "trainstream-cpu", "trainstream-gpu",
-                "trainstream-auto"]
+FULL_ENGINES = ["stock-bf16", "stock-mixed", "deepspeed-zero2", "deepspeed-zero3", "trainstream-cpu",
+                "trainstream-gpu", "trainstream-auto"]
 # guard_params=False variants (what ordering reads after step() costs) and stock bf16 without the VRAM cap.
 FULL_EXTRA = ["trainstream-cpu-noguard", "trainstream-auto-noguard", "stock-bf16-uncapped"]
 LORA_ENGINES = ["stock-lora-uncapped", "bnb-qlora", "bnb-qlora-ckpt", "trainstream-lora"]
 LORA_EXTRA = ["stock-lora", "trainstream-lora-bf16"]
+# Other projects' engines (_external_engines.py): DeepSpeed ZeRO-2/3 offload and the reference 0.4.1 in
+# both kinds of scenario, Unsloth in LoRA ones.
+EXTERNAL_ENGINES = ["deepspeed-zero2", "deepspeed-zero3", "reference-0.4.1", "unsloth"]
+ALL_ENGINES = FULL_ENGINES + FULL_EXTRA + LORA_ENGINES + LORA_EXTRA + [
+    e for e in EXTERNAL_ENGINES if e not in FULL_ENGINES]
 # Engines whose forward+backward is timed: the GPU-compute term of the lower bound.
 STOCK_TIMED = ("stock-bf16", "stock-bf16-uncapped", "stock-lora", "stock-lora-uncapped")
 
@@ -180,9 +185,23 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def child_env(engine: str) -> dict:
+    """The environment of an engine's process: this one's, with the reference's prefix first for it."""
+    env = dict(os.environ)
+    if engine in EXTERNAL_ENGINES:
+        import _external_engines
+
+        env = _external_engines.child_env(engine, env)
+    return env
+
+
 def not_applicable(engine: str, scenario: dict) -> str | None:
     """Why `engine` does not run in `scenario` (a LoRA engine in a full fine-tune one, or back), or None."""
     lora = bool(scenario.get("lora"))
+    if engine in EXTERNAL_ENGINES:
+        import _external_engines
+
+        return _external_engines.not_applicable(engine, scenario)
     if (engine in LORA_ENGINES + LORA_EXTRA) == lora:
         return None
     kind, other = ("full fine-tune", "LoRA") if lora else ("LoRA", "full fine-tune")
@@ -197,6 +216,13 @@ def _built(info: dict, device: torch.device, start: float) -> None:
     info["build_s"] = time.perf_counter() - start
 
 
+def _base_model(scenario: dict, device: torch.device, dtype: torch.dtype, host: bool) -> torch.nn.Module:
+    """The scenario's model without PEFT, as the stock engines build it: in host memory when `host`."""
+    if scenario.get("lora") or scenario.get("host"):
+        return lora_base(scenario["size"], device=device, dtype=dtype, host=host)
+    return full_model(scenario["size"], torch.device("cpu") if host else device, dtype)
+
+
 def setup(engine: str, scenario: dict, device: torch.device, dtype: torch.dtype, wrap_options: dict,
           info: dict):
     """(model, optimizer) for one engine; fills `info` (build_s, wrap_s, trainable_values, failed_in).
@@ -208,12 +234,14 @@ def setup(engine: str, scenario: dict, device: torch.device, dtype: torch.dtype,
     fused = device.type == "cuda"
     start = time.perf_counter()
     info["failed_in"] = "model build"
+    if engine in EXTERNAL_ENGINES:
+        import _external_engines
+
+        return _external_engines.setup_external(engine, scenario, device, dtype, info,
+                                                lambda host: _base_model(scenario, device, dtype, host),
+                                                wrap_options=wrap_options)
     if not lora:
         mixed = engine == "stock-mixed"
-        if engine == "deepspeed-zero2":
-            if importlib.util.find_spec("deepspeed") is None:
-                raise EngineUnavailable("not installed on this machine")
-            raise EngineUnavailable("installed but not wired in this script yet")
         if scenario.get("host") and engine.startswith("trainstream"):  # all trainable, in host memory
             model = lora_base(scenario["size"], device=device, dtype=dtype, host=True)
         else:
@@ -269,6 +297,15 @@ def compile_blocks(model, mode: str, skip_streamed: bool = False) -> int:
     return len(trainstream.compile_blocks(model, mode, skip_streamed=skip_streamed))
 
 
+def trainstream_settled(model) -> bool:
+    """Whether a wrapped model's plan has settled: no placement trial, no activation policy still tuning
+    (memory_report()["plan"]["settled"]); True for a model without a plan."""
+    import trainstream
+
+    plan = trainstream.memory_report(model).get("plan") or {}
+    return bool(plan.get("settled", True))
+
+
 def trainstream_report(model) -> dict:
     """What the bench keeps from memory_report(model): placements, events, transfers, the recent steps'
     stalls (with the host AdamW busy time of each), and the activation and weight reports when the engine
@@ -283,25 +320,3 @@ def trainstream_report(model) -> dict:
     if report.get("params") is not None:
         out["weights"] = report["params"]
     return out
-
-
-def activation_link_bytes(activations: dict | None, iterations: int) -> tuple[float, float]:
-    """Saved-activation bytes paged per training iteration (device->host, host->device), from
-    memory_report()["activations"]: its cumulative "paging" counters (d2h_bytes, h2d_bytes) over the
-    `iterations` run, else (and for a tuned policy) block_bytes summed over offloaded_blocks, both ways.
-    (0, 0) without either."""
-    if not activations:
-        return 0.0, 0.0
-    paging = activations.get("paging") or {}
-    # A tuned policy paged differently while it probed and tried: count the settled one.
-    if iterations and isinstance(paging.get("d2h_bytes"), (int, float)) and "tuning" not in activations:
-        return paging["d2h_bytes"] / iterations, (paging.get("h2d_bytes") or 0) / iterations
-    blocks = activations.get("offloaded_blocks") or []
-    per_block = activations.get("block_bytes")
-    if isinstance(per_block, (int, float)):
-        total = per_block * len(blocks)
-    elif isinstance(per_block, (list, tuple)):
-        total = sum(per_block[i] for i in blocks if isinstance(i, int) and 0 <= i < len(per_block))
-    else:
-        total = 0
-    return float(total), float(total)

@@ -74,13 +74,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _compare_bounds as bounds
 import _compare_engines as engines
+import _compare_run
+import _record
 
 SCENARIOS = {
     # Qwen2.5-1.5B's published shape: 1.54 B parameters with tied embeddings.
@@ -97,92 +98,6 @@ SCENARIOS = {
 }
 ENGINES = engines.FULL_ENGINES
 EXTRA_ENGINES = engines.FULL_EXTRA + engines.LORA_ENGINES + engines.LORA_EXTRA
-LINK_GBPS = 55.0  # pinned host<->H200 each way, measured (DESIGN.md); re-measured below when CUDA is present
-
-
-def _failure(e: BaseException, where: str) -> str:
-    """The outcome of an engine that raised: CUDA OOMs as "out of memory in <phase> (...)", the rest by type."""
-    text = " ".join(str(e).split())
-    if isinstance(e, torch.OutOfMemoryError) or (type(e) is RuntimeError and "out of memory" in text.lower()):
-        return f"out of memory in {where} ({text[:160]})"
-    return f"{where} raised {type(e).__name__}: {text[:400]}"
-
-
-def _run_engine(engine: str, scenario: dict, wrap_options: dict, compile_mode: str | None = None,
-                skip_streamed: bool = False) -> dict:
-    """One engine in this process: returns step times, peak VRAM and what it decided."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cap = None if engine.endswith("-uncapped") else scenario["vram_gb"]
-    if device.type == "cuda" and cap:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap * 1e9 / total, device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mixed = engine == "stock-mixed"
-    result: dict = {"engine": engine, "outcome": "ok", "median_s": None, "peak_gb": None,
-                    "vram_cap_gb": cap if device.type == "cuda" else None}
-    info: dict = {}
-
-    def peak() -> float | None:
-        return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-    try:
-        model, opt = engines.setup(engine, scenario, device, dtype, wrap_options, info)
-        if compile_mode:
-            info["compiled_blocks"] = engines.compile_blocks(model, compile_mode, skip_streamed)
-    except engines.EngineUnavailable as e:
-        return {**result, "outcome": str(e)}
-    except Exception as e:  # an engine's failure is its outcome
-        return {**result, **info, "outcome": _failure(e, info.get("failed_in", "setup")), "peak_gb": peak()}
-    is_trainstream = engine.startswith("trainstream")
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    times, fwd_bwd, losses, retries = [], [], [], []
-    timed = device.type == "cuda" and engine in engines.STOCK_TIMED
-    try:
-        for step in range(scenario["steps"]):
-            info["failed_in"] = f"step {step + 1}"
-            ids = torch.randint(0, vocab, (scenario["batch"], scenario["seq"]), generator=generator).to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            if timed:
-                torch.cuda.synchronize()
-                fwd_bwd.append(time.perf_counter() - start)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            if device.type == "cuda":  # the allocator freed its cache and retried (a device sync each)
-                retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-        info.pop("failed_in", None)
-    except Exception as e:
-        result["outcome"] = _failure(e, info["failed_in"])
-        result["traceback"] = traceback.format_exc()[-4000:]
-    if is_trainstream:
-        try:
-            result.update(engines.trainstream_report(model))
-        except Exception as e:  # a report after a failed step is a bonus
-            result["report_error"] = f"{type(e).__name__}: {e}"
-    warm = 2 if len(times) > 3 else 0
-    trainable = engines.trainable(model)
-    values = sum(p.numel() for p in trainable)
-    result.update({
-        "median_s": statistics.median(times[warm:]) if times else None,
-        "steps_s": times,
-        "alloc_retries": retries,
-        "losses": losses,
-        "fwd_bwd_s": statistics.median(fwd_bwd[warm:]) if fwd_bwd else None,
-        "peak_gb": peak(),
-        "params": sum(p.numel() for p in model.parameters()),
-        "trainable_bytes_per_value": sum(p.numel() * p.element_size() for p in trainable) / values if values else None,
-        **info,
-    })
-    return result
 
 
 def _child(engine: str, scenario_name: str, timeout: float, steps: int | None, wrap_option_args: list[str],
@@ -195,7 +110,7 @@ def _child(engine: str, scenario_name: str, timeout: float, steps: int | None, w
     if compile_mode:
         cmd += ["--compile-blocks", compile_mode] + (["--compile-skip-streamed"] if skip_streamed else [])
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=engines.child_env(engine))
     except subprocess.TimeoutExpired:
         return {"engine": engine, "outcome": f"timed out after {timeout:.0f} s", "median_s": None, "peak_gb": None}
     for line in done.stdout.splitlines():
@@ -205,37 +120,6 @@ def _child(engine: str, scenario_name: str, timeout: float, steps: int | None, w
     oom = any("OutOfMemory" in t or "out of memory" in t for t in tail)
     return {"engine": engine, "outcome": "out of memory" if oom else "failed: " + " | ".join(tail),
             "median_s": None, "peak_gb": None}
-
-
-def _host_adamw_rate(threads: int | None = None) -> float:
-    """ts-adamw fp32-moment updates per second on this host (64 M values)."""
-    import ts_adamw
-
-    n = 64 << 20
-    p, g, m, v = (torch.randn(n) for _ in range(4))
-    v.abs_()
-    out = torch.empty(n, dtype=torch.bfloat16)
-    g16 = g.to(torch.bfloat16)
-    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
-    ts_adamw.adamw_step(p, g16, m, v, step=1, param_out=out, **kw)
-    start = time.perf_counter()
-    for step in range(2, 7):
-        ts_adamw.adamw_step(p, g16, m, v, step=step, param_out=out, **kw)
-    return 5 * n / (time.perf_counter() - start)
-
-
-def _link_rate() -> float:
-    if not torch.cuda.is_available():
-        return LINK_GBPS * 1e9
-    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return 5 * host.numel() / (time.perf_counter() - start)
 
 
 def _wrap_option(text: str) -> tuple[str, object]:
@@ -249,45 +133,67 @@ def _wrap_option(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
-def _lower_bound(r: dict, gpu: tuple[str, float] | None, link: float, adamw_rate: float) -> None:
-    """Adds lower_bound_s and lower_bound_terms to a trainstream result (see the module docstring)."""
-    placements = r.get("placements") or {}
-    host_values = placements.get("host", {}).get("values", 0)
-    mapped_values = placements.get("mapped", {}).get("values", 0)
-    per_value = r.get("trainable_bytes_per_value") or 2
-    paged_down, paged_up = engines.activation_link_bytes(r.get("activations"), len(r.get("steps_s") or []))
-    weights = r.get("weights") or {}
-    streamed = weights.get("load_bytes") or 0
-    # A full fine-tune's streamed trained weights come back in their blocks' fetches (load_bytes), not as uploads.
-    fetched = (weights.get("streaming") or {}).get("trained_bytes") or 0
-    down = host_values * per_value + mapped_values * 12  # gradients leave the GPU in backward
-    up = host_values * per_value - fetched + mapped_values * 12 + streamed  # weights come back
-    # Forward, then backward, each bound by its busier direction: in forward the pages leave (device to
-    # host) while the streamed blocks come in (about half of them: a block is fetched for forward and again
-    # for backward); in backward the gradients leave while the page-ins and the other half come in.
-    link_s = (max(paged_down, streamed / 2) + max(down, up - streamed / 2 + paged_up)) / link
-    down, up = down + paged_down, up + paged_up
-    terms = {"gpu_fwd_bwd": gpu[1] if gpu else None, "gpu_from": gpu[0] if gpu else None,
-             "link": link_s, "host_adamw": host_values / adamw_rate,
-             "link_bytes_down": down, "link_bytes_up": up}
-    r["lower_bound_s"] = max(terms["gpu_fwd_bwd"] or 0.0, terms["link"], terms["host_adamw"])
-    r["lower_bound_terms"] = terms
+def add_bounds(runs: dict[str, list[dict]]) -> dict:
+    """Measures the rates here (after every engine ran: the GPU was theirs), adds each trainstream run's lower
+    bound, flags a run below its bound, and returns the record's rates, bounds and below-bound list."""
+    stock = [r for name in engines.STOCK_TIMED for r in runs.get(name, []) if r.get("fwd_bwd_s")]
+    compute = (("+".join(sorted({r["engine"] for r in stock})), statistics.median(r["fwd_bwd_s"] for r in stock))
+               if stock else None)
+    rates = {"host_adamw_values_per_s": bounds.host_adamw_rate(), "link_bytes_per_s": bounds.link_rate(),
+             "dequantize_nf4_values_per_s": bounds.dequantize_rate("nf4")}
+    per_engine, below = {}, []
+    for name, engine_runs in runs.items():
+        bounded = []
+        for i, r in enumerate(engine_runs):
+            if not name.startswith("trainstream") or r.get("placements") is None:
+                continue
+            bounds.lower_bound(r, compute, rates["link_bytes_per_s"], rates["host_adamw_values_per_s"],
+                               rates["dequantize_nf4_values_per_s"])
+            bounded.append(r)
+            if r.get("median_s") is not None and r["median_s"] < r["lower_bound_s"]:
+                r["below_bound"] = True
+                below.append({"engine": name, "round": i, "median_s": r["median_s"], "bound_s": r["lower_bound_s"]})
+        if bounded:
+            middle = sorted(bounded, key=lambda r: r["lower_bound_s"])[len(bounded) // 2]
+            per_engine[name] = {"value": middle["lower_bound_s"], "terms": middle["lower_bound_terms"]}
+    return {"rates": rates, "bounds": per_engine, "below_bound": below}
 
 
-def _save(path: str | None, header: str, results: list[dict]) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump({"header": header, "results": results}, f, indent=2, default=str)
+def _print_table(data: dict) -> None:
+    print("| Engine | Median step (runs) | Spread (min-max) | Peak VRAM | Lower bound | Outcome |")
+    print("|---|---|---|---|---|---|")
+    for name, entry in data["engines"].items():
+        s = entry["summary"]
+        runs = entry["runs"]
+        step = f"{s['median']:.3f} s ({s['runs']})" if s.get("runs") else "—"
+        spread = f"{s['min']:.3f}-{s['max']:.3f} s" if s.get("runs") else "—"
+        peaks = [r["peak_gb"] for r in runs if r.get("peak_gb")]
+        peak = f"{max(peaks):.1f} GB" if peaks else "—"
+        bound = data["bounds"].get(name)
+        outcomes = sorted({str(r.get("outcome")) for r in runs})
+        floor = " (floor: no VRAM cap)" if name in data["floors"] else ""
+        bound_text = f"{bound['value']:.3f} s" if bound else "—"
+        print(f"| {name}{floor} | {step} | {spread} | {peak} | {bound_text} | "
+              f"{'; '.join(outcomes)} |")
+    for name, bound in data["bounds"].items():
+        t = bound["terms"]
+        compute = (f"compute {t['compute_fwd_bwd']:.3f} s ({t['compute_from']})" if t["compute_fwd_bwd"]
+                   else "compute not measured (run a stock engine in the same call)")
+        dequant = f", dequantize {t['dequantize']:.3f} s" if t.get("dequantize") else ""
+        print(f"lower bound {name}: max({compute}{dequant}, link {t['link']:.3f} s, host AdamW {t['host_adamw']:.3f} s)")
+    for b in data["below_bound"]:
+        print(f"ERROR: {b['engine']} round {b['round']} ran {b['median_s']:.3f} s, below its bound "
+              f"{b['bound_s']:.3f} s: the bound is wrong")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="full1.5b" if torch.cuda.is_available() else "tiny")
-    parser.add_argument("--engines", nargs="+", default=None, choices=ENGINES + EXTRA_ENGINES, metavar="ENGINE",
-                        help="engines in the order to run (repeat one to interleave runs): "
-                             f"{', '.join(ENGINES + EXTRA_ENGINES)}; default: {' '.join(ENGINES)} in full "
-                             f"scenarios, {' '.join(engines.LORA_ENGINES)} in LoRA ones")
-    parser.add_argument("--steps", type=int, default=None, help="steps per engine (default: the scenario's)")
+    parser.add_argument("--engines", nargs="+", default=None, choices=engines.ALL_ENGINES, metavar="ENGINE",
+                        help=f"engines to run, alternated in each round: {', '.join(engines.ALL_ENGINES)}; default: "
+                             f"{' '.join(ENGINES)} in full scenarios, {' '.join(engines.LORA_ENGINES)} in LoRA ones")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every engine once, in order")
+    parser.add_argument("--steps", type=int, default=None, help="steps per engine run (default: the scenario's)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
     parser.add_argument("--wrap-option", type=_wrap_option, action="append", default=[], metavar="KEY=VALUE",
                         help="extra trainstream.wrap() option for every trainstream engine (repeatable)")
@@ -295,62 +201,59 @@ def main() -> None:
                         help="torch.compile each block in place with this mode: " + ", ".join(engines.COMPILE_MODES))
     parser.add_argument("--compile-skip-streamed", action="store_true",
                         help="with --compile-blocks: blocks whose weights stream stay eager")
-    parser.add_argument("--json", default=None, help="write the results here (also after each engine)")
+    parser.add_argument("--json", default=None, help="write the record here (also after each engine run)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds takes 1 or more")
     scenario = dict(SCENARIOS[args.scenario])
     if args.steps:
         scenario["steps"] = args.steps
     wrap_options = dict(args.wrap_option)
     if args.child:
-        result = _run_engine(args.child, scenario, wrap_options, args.compile_blocks, args.compile_skip_streamed)
+        result = _compare_run.run_engine(args.child, scenario, wrap_options, args.compile_blocks,
+                                         args.compile_skip_streamed)
         print("RESULT " + json.dumps(result, default=str), flush=True)
         sys.stderr.flush()
         os._exit(0)  # skip tearing down tens of GB and the engine's threads: the result is out
     lora = bool(scenario.get("lora"))
-    engine_list = args.engines or (engines.LORA_ENGINES if lora else ENGINES)
-    # No CUDA call in this process before the engines ran: they get the GPU to themselves.
-    partial = f"scenario {args.scenario} {scenario} (partial: engines still running)"
+    engine_list = list(dict.fromkeys(args.engines or (engines.LORA_ENGINES if lora else ENGINES)))
     passthrough = [f"{key}={value!r}" for key, value in args.wrap_option]  # repr round-trips literal_eval
-    results = []
-    for engine in engine_list:
-        skip = engines.not_applicable(engine, scenario)
-        result = ({"engine": engine, "outcome": skip, "median_s": None, "peak_gb": None} if skip
-                  else _child(engine, args.scenario, args.timeout, args.steps, passthrough, args.compile_blocks,
-                              args.compile_skip_streamed))
-        print(f"{engine}: {result.get('outcome')} {result.get('median_s') or ''}", flush=True)
-        results.append(result)
-        _save(args.json, partial, results)
-    # Lower bound for each trainstream placement, from rates measured here and now.
-    stock = engines.STOCK_TIMED
-    gpu = next(((r["engine"], r["fwd_bwd_s"]) for r in results if r["engine"] in stock and r.get("fwd_bwd_s")), None)
-    adamw_rate = _host_adamw_rate()
-    link = _link_rate()
-    for r in results:
-        if r["engine"].startswith("trainstream") and r.get("placements") is not None:
-            _lower_bound(r, gpu, link, adamw_rate)
-    header = (f"scenario {args.scenario} {scenario}; GPU {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
-              f"{os.cpu_count()} CPUs")
-    if wrap_options:
-        header += f"; wrap options {wrap_options}"
-    if args.compile_blocks:
-        header += f"; blocks compiled (mode {args.compile_blocks}{', streamed ones eager' if args.compile_skip_streamed else ''})"
-    header += f"; link {link / 1e9:.1f} GB/s; host AdamW {adamw_rate / 1e9:.2f} G values/s"
-    print("\n" + header + "\n")
-    print("| Engine | Median step | Peak VRAM | Lower bound | Outcome |\n|---|---|---|---|---|")
-    for r in results:
-        step = f"{r['median_s']:.3f} s" if r.get("median_s") is not None else "—"
-        peak = f"{r['peak_gb']:.1f} GB" if r.get("peak_gb") else "—"
-        bound = f"{r['lower_bound_s']:.3f} s" if r.get("lower_bound_s") else "—"
-        print(f"| {r['engine']} | {step} | {peak} | {bound} | {r.get('outcome')} |")
-    for r in results:
-        terms = r.get("lower_bound_terms")
-        if terms:
-            gpu_text = (f"GPU {terms['gpu_fwd_bwd']:.3f} s ({terms['gpu_from']})" if terms["gpu_fwd_bwd"]
-                        else "GPU not measured (run a stock engine in the same call)")
-            print(f"lower bound {r['engine']}: max({gpu_text}, link {terms['link']:.3f} s, "
-                  f"host AdamW {terms['host_adamw']:.3f} s)")
-    _save(args.json, header, results)
+    settings = {"scenario": scenario, "wrap_options": {k: repr(v) for k, v in wrap_options.items()},
+                "compile_blocks": args.compile_blocks, "compile_skip_streamed": args.compile_skip_streamed}
+    runs: dict[str, list[dict]] = {name: [] for name in engine_list}
+    order: list[str] = []  # engine names in the order they ran
+    flat: list[dict] = []  # the runs in that order (older readers: interleaved_ab.py, plan_accuracy.py)
+
+    def snapshot(extra: dict) -> dict:
+        # gpu=False until the engines ran: no CUDA call in this process before them (the GPU is theirs).
+        data = _record.record("compare", args.scenario, runs, "median_s", args.rounds, unit="s",
+                              bounds=extra.get("bounds"), gpu=bool(extra), settings=settings, order=order,
+                              floors=[n for n in engine_list if n.endswith("-uncapped")],
+                              rates=extra.get("rates", {}), below_bound=extra.get("below_bound", []),
+                              header=f"scenario {args.scenario} {scenario}", results=flat)
+        return data
+
+    for round_index in range(args.rounds):
+        for name in engine_list:
+            skip = engines.not_applicable(name, scenario)
+            result = ({"engine": name, "outcome": skip, "median_s": None, "peak_gb": None} if skip
+                      else _child(name, args.scenario, args.timeout, args.steps, passthrough, args.compile_blocks,
+                                  args.compile_skip_streamed))
+            result["round"] = round_index
+            runs[name].append(result)
+            order.append(name)
+            flat.append(result)
+            print(f"round {round_index + 1} {name}: {result.get('outcome')} {result.get('median_s') or ''}", flush=True)
+            _record.write(args.json, snapshot({}))
+    data = snapshot(add_bounds(runs))
+    rates = data["rates"]
+    p = data["provenance"]
+    print(f"\nscenario {args.scenario} {scenario}; {args.rounds} rounds alternated; GPU {p['gpu'] or 'none'}; "
+          f"{p['cpus']} CPUs; link {rates['link_bytes_per_s'] / 1e9:.1f} GB/s; "
+          f"host AdamW {rates['host_adamw_values_per_s'] / 1e9:.2f} G values/s\n")
+    _print_table(data)
+    _record.write(args.json, data)
 
 
 if __name__ == "__main__":

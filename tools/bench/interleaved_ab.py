@@ -89,7 +89,7 @@ def imported_from(base_dir: pathlib.Path | None, hook_dir: pathlib.Path | None =
 
 def run_once(version: str, base_dir: pathlib.Path | None, hook_dir, args, out: pathlib.Path) -> dict:
     cmd = [sys.executable, str(HERE / "compare.py"), "--scenario", args.scenario, "--engines", args.engine,
-           "--json", str(out), "--timeout", str(args.timeout)]
+           "--rounds", "1", "--json", str(out), "--timeout", str(args.timeout)]
     cmd += ["--steps", str(args.steps)] if args.steps else []
     cmd += [f"--wrap-option={o}" for o in args.wrap_option]
     done = subprocess.run(cmd, capture_output=True, text=True, env=_env(base_dir, hook_dir), cwd=HERE)

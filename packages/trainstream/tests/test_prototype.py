@@ -1,5 +1,5 @@
 """trainstream.prototype: features not yet shown to win in a same-run GPU A/B are off by default, each a wrap()
-option whose default is its `off` value, and the README's options table says so."""
+option whose default is its `off` value, and the options table in docs/options.md says so."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import trainstream
 from trainstream._options import WrapOptions
 from ts_testing import tiny_llama
 
-README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
+OPTIONS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "options.md"
 
 
 def test_every_prototype_is_an_option_off_by_default():
@@ -26,13 +26,13 @@ def test_every_prototype_is_an_option_off_by_default():
         trainstream.prototype.feature("quantize")
 
 
-def test_the_readme_lists_each_prototype_with_its_default():
-    text = README.read_text()
+def test_the_options_page_lists_each_prototype_with_its_default():
+    text = OPTIONS.read_text()
     for feature in trainstream.prototype.FEATURES:
         row = re.search(rf"^\| `{feature.option}` \|[^|]*\| `([^`]*)` \|(.*)$", text, re.M)
         assert row is not None, feature.option
         assert row.group(1) == repr(feature.off).replace("'", '"'), feature.option
-        if feature.option != "recompute_variant":  # its row explains the measured A/B
+        if feature.option != "recompute_variant":  # its row describes both values; the prototype is one of them
             assert "Prototype, off by default" in row.group(2), feature.option
         assert f"`{feature.option}`" in text.split("#### Prototype features")[1].split("###")[0]
 
