@@ -25,7 +25,8 @@ def _record_file(directory: pathlib.Path, name: str, started: str, medians: dict
                                                               "dequantize": None, "link": bound, "host_adamw": 0.01}}
                                   for e in medians if e.startswith("trainstream")} if bound else {},
                           gpu=False, floors=["stock-lora-uncapped"], below_bound=below or [],
-                          settings={"scenario": {"batch": 1, "seq": 512}})
+                          settings={"scenario": {"size": "14b", "lora": True, "batch": 1, "seq": 512,
+                                                "vram_gb": 24.0, "steps": 10}})
     data["provenance"]["started"] = started
     (directory / f"compare-{name}-{started[:10]}.json").write_text(json.dumps(data))
 
@@ -43,6 +44,7 @@ def test_a_comparison_shows_every_runs_median_spread_and_count_beside_the_bound(
     assert "| bnb-qlora | 0.510 s | 0.500 s – 0.520 s | 2/3 |" in text and "out of memory" in text
     assert "stock-lora-uncapped (floor: no VRAM cap)" in text
     assert "3 rounds alternated" in text
+    assert "14b shape, LoRA r=16 on every linear layer of the blocks, 1 x 512 tokens, VRAM capped at 24 GB" in text
 
 
 def test_only_the_newest_record_of_a_scenario_is_the_table_the_rest_is_history(tmp_path):

@@ -64,6 +64,7 @@ def dequantize_rate(fmt: str = "nf4") -> float | None:
 
     weight = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     q = ts_quant.quantize(weight, fmt)
+    weight_values = weight.numel()
     del weight
     q.dequantize()
     torch.cuda.synchronize()
@@ -71,7 +72,7 @@ def dequantize_rate(fmt: str = "nf4") -> float | None:
     for _ in range(10):
         q.dequantize()
     torch.cuda.synchronize()
-    return 10 * q.numel() / (time.perf_counter() - start)
+    return 10 * weight_values / (time.perf_counter() - start)
 
 
 def activation_link_bytes(activations: dict | None, iterations: int) -> tuple[float, float]:

@@ -69,15 +69,18 @@ def _gpu() -> tuple[str | None, str | None]:
 
 
 def provenance(argv: list[str] | None = None, gpu: bool = True) -> dict:
-    """Where and what ran. The commit comes from git, else from TS_BENCH_COMMIT (a device machine's copy of the
-    working tree may have no .git; the caller stamps it), with dirty None when unknown."""
+    """Where and what ran. The commit is TS_BENCH_COMMIT (and TS_BENCH_DIRTY) where the caller stamps it (a
+    snapshot of the tree run on a device machine, where git would answer for whatever checkout holds it),
+    else git's; dirty is None when unknown."""
     import torch
 
-    commit = _git("rev-parse", "HEAD") or os.environ.get("TS_BENCH_COMMIT")
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    dirty = None if status is None else bool(status)
-    if status is None and os.environ.get("TS_BENCH_DIRTY") is not None:
-        dirty = os.environ["TS_BENCH_DIRTY"] not in ("", "0", "false")
+    if os.environ.get("TS_BENCH_COMMIT"):  # a stamp wins: a snapshot inside another checkout would read that one
+        commit = os.environ["TS_BENCH_COMMIT"]
+        dirty = os.environ.get("TS_BENCH_DIRTY") not in (None, "", "0", "false") if "TS_BENCH_DIRTY" in os.environ else None
+    else:
+        commit = _git("rev-parse", "HEAD")
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = None if status is None else bool(status)
     name, driver = _gpu() if gpu else (None, None)
     args = sys.argv if argv is None else argv
     return {

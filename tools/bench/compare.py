@@ -1,26 +1,36 @@
-r"""Head-to-head step times: trainstream against stock PyTorch, bitsandbytes QLoRA (and DeepSpeed where installed).
+r"""Same-run step times: TrainStream against stock PyTorch, bitsandbytes QLoRA, DeepSpeed ZeRO offload, the
+reference 0.4.1 and Unsloth, each engine a fresh process, alternated in rounds (A B C A B C ...).
 
-Each engine runs in a fresh process; the table shows the median step after warm-up (steps 3 on),
-the peak VRAM from the end of the model build on, and a lower bound beside each trainstream row.
+Each run's figure is the median step of its steady-state window (_compare_run.py: after the warm-up, the last
+compiling step and the plan settling; allocator retries excluded and counted); the record gives every run,
+and the table the median over runs with the min-max spread, the peak VRAM, and beside each TrainStream row
+its lower bound (_compare_bounds.py: max of compute, dequantize, link and host AdamW, rates measured in the
+same call after the engines ran; a run below its bound is flagged as a wrong bound). A stock run without the
+VRAM cap is a floor, named so. --json writes one record (_record.py; rendered into the docs by render.py),
+rewritten after each run.
 
 Scenarios (random init; VRAM capped with set_per_process_memory_fraction where a cap is given):
-  full1.5b      Qwen2.5-1.5B shape (tied embeddings, as before), full fine-tune, 4 x 512, 24 GB cap
+  full1.5b      Qwen2.5-1.5B shape (tied embeddings), full fine-tune, 4 x 512, 24 GB cap
   full1.5b_2k   the same at 4 x 2048
   full7b        Qwen2.5-7B shape (untied), full fine-tune, 4 x 512, 24 GB cap, the bf16 weights built in host
-                memory (as a checkpoint loads); trainstream-auto streams what does not fit (issue 11)
+                memory (as a checkpoint loads); trainstream-auto streams what does not fit
   tiny          a CPU-sized full fine-tune smoke run
   lora14b       Qwen2.5-14B shape (hidden 5120, intermediate 13824, 48 layers, 40/8 heads, vocab
                 152064, untied), frozen bf16 base built block by block from the meta device, PEFT
                 LoRA r=16 (alpha 32) on q,k,v,o,gate,up,down of every block, 1 x 512, 24 GB cap
   lora14b_2k    the same at 1 x 2048
+  lora32b       Qwen2.5-32B shape, the same LoRA, 1 x 512, 24 GB cap
   lora_tiny     a 2-layer small Qwen2 with the same LoRA, CPU-sized
-Engines, full scenarios: stock-bf16 (bf16 weights + fused AdamW, no fp32 master), stock-mixed,
-  deepspeed-zero2, trainstream-{cpu,gpu,auto}[-noguard]; stock-bf16-uncapped (no VRAM cap).
+Engines, full scenarios: stock-bf16 (bf16 weights + fused AdamW, no fp32 master), stock-mixed (fp32 weights,
+  bf16 autocast), stock-bf16-uncapped (the floor), trainstream-{cpu,gpu,auto}[-noguard] (optimizer_mode).
 Engines, LoRA scenarios: stock-lora (bf16 base, fused torch AdamW on the adapters), stock-lora-uncapped
-  (the same without the cap: the no-offload floor), bnb-qlora (bitsandbytes NF4 base, double quant off,
-  bf16 compute, PEFT's bnb LoRA layer, fused torch AdamW), bnb-qlora-ckpt (the same with Hugging Face
-  non-reentrant gradient checkpointing), trainstream-lora (wrap(model, opt, quantize="nf4") on the bf16
-  base held in host memory, as a loaded checkpoint is), trainstream-lora-bf16 (quantize=None).
+  (the floor), bnb-qlora (bitsandbytes NF4 base, double quant off, bf16 compute, PEFT's bnb LoRA layer, fused
+  torch AdamW), bnb-qlora-ckpt (the same with Hugging Face non-reentrant gradient checkpointing),
+  trainstream-lora (wrap(model, opt, quantize="nf4") on the bf16 base held in host memory, as a loaded
+  checkpoint is), trainstream-lora-bf16 (quantize=None), unsloth (where it installs).
+Engines, both: deepspeed-zero2 / deepspeed-zero3 (CPU-offloaded optimizer; ZeRO-3 also parameters;
+  tools/bench/deepspeed_zero*.json), reference-0.4.1 (this project's predecessor from its own prefix,
+  TS_BENCH_REFERENCE_PREFIX). _external_engines.py and fetch_external.sh say how they are installed.
 --compile-blocks MODE: after setup, the blocks are compiled in place by trainstream.compile_blocks(model, MODE)
 (modes default, max-autotune-no-cudagraphs; reduce-overhead is refused there, which the engine reports);
 --compile-skip-streamed leaves the blocks whose weights stream eager (compile_blocks' skip_streamed=True).
@@ -28,41 +38,15 @@ Engines, LoRA scenarios: stock-lora (bf16 base, fused torch AdamW on the adapter
 trainstream engine's wrap() and overrides its own choice; names are not checked here: wrap() refuses
 unknown ones and the engine reports the error as its outcome.
 
-Lower bound beside each trainstream row: max(gpu, link, host), each measured in the same call.
-  gpu   forward+backward time of the stock path; 0 ("not measured" on the terms line) when no such
-        engine ran in the call
-  link  bytes per step / the pinned link rate measured at the end, forward and backward in turn, each
-        bound by its busier direction: forward pages activations out while half the streamed weights
-        come in; backward sends gradients out while the pages and the other half come in
-  host  host-placed trained values / the ts-adamw rate measured at the end (fp32 moments)
-Per scenario:
-  full1.5b, full1.5b_2k, tiny: gpu from stock-bf16 or stock-bf16-uncapped (no fp32 master: a floor);
-    each way of the link carries host-placed values x 2 (bf16 gradient down, bf16 weight up) +
-    mapped values x 12 + paged activation bytes (below); host = host-placed values.
-  lora14b, lora14b_2k, lora_tiny: gpu from stock-lora or stock-lora-uncapped (bf16 base, so no
-    dequantisation: a floor for the NF4 engines too); each way of the link carries host-placed adapter
-    values x 4 (PEFT keeps the adapters fp32; 68.8 M values in 672 tensors at 14B) + mapped values x 12
-    + paged activation bytes, and host->device also the streamed base weights (memory_report()
-    ["params"]["load_bytes"] per step, once weights stream: issue 11); host = host-placed adapter values.
-  Paged activation bytes per iteration, each way: memory_report()["activations"]["paging"] d2h_bytes /
-    h2d_bytes over the iterations run, else block_bytes summed over offloaded_blocks; 0 without paging.
-  The bytes per value are measured (element size of the trained tensors), not assumed.
+    python tools/bench/compare.py --scenario tiny --rounds 2        # a CPU-sized smoke run
+    python tools/bench/compare.py --scenario lora_tiny --engines stock-lora trainstream-lora
 
-    python tools/bench/compare.py                       # every engine, full1.5b (tiny without CUDA)
-    python tools/bench/compare.py --scenario tiny       # a CPU-sized smoke run
-    python tools/bench/compare.py --scenario lora_tiny --engines trainstream-lora
-
-bitsandbytes is not on the H200 image: its wheel is downloaded here into .whl/ (git-ignored; see
-docs/development.md), the run carries ".whl", and the device command starts with
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-then, one call per scenario (add --json $OUT/<scenario>.json; it is rewritten after each engine):
-    python tools/bench/compare.py --scenario lora14b --engines stock-lora-uncapped bnb-qlora bnb-qlora-ckpt trainstream-lora
-    python tools/bench/compare.py --scenario lora14b_2k --engines stock-lora-uncapped bnb-qlora-ckpt trainstream-lora \
-        --wrap-option recompute=True
-    python tools/bench/compare.py --scenario full1.5b_2k --engines stock-bf16-uncapped stock-bf16 trainstream-auto \
-        --wrap-option activation_offload=True
-trainstream-lora's JSON row has build_s (meta -> bf16 blocks via the GPU -> host) and wrap_s (wrap()
-quantizing 13.2 B values on the host, then moving the codes): setup, not step time.
+On a device machine (no network: wheels carried in .whl/, see docs/development.md and fetch_external.sh),
+stamp the commit (a snapshot has no git of its own) and write the record to $OUT:
+    TS_BENCH_COMMIT=<sha> TS_BENCH_DIRTY=0 python3 tools/bench/compare.py --scenario full1.5b --rounds 2 \
+        --engines stock-bf16-uncapped stock-bf16 trainstream-auto deepspeed-zero2 reference-0.4.1 \
+        --json $OUT/compare-full1.5b-<gpu>-<date>.json
+--bounds-for JSON adds the bounds to a record whose call stopped before measuring its rates (said in it).
 """
 
 from __future__ import annotations
@@ -186,6 +170,22 @@ def _print_table(data: dict) -> None:
               f"{b['bound_s']:.3f} s: the bound is wrong")
 
 
+def _bounds_later(path: str) -> None:
+    """--bounds-for: a record's bounds from rates measured in a later call (said in the record)."""
+    with open(path) as f:
+        data = json.load(f)
+    runs = {name: entry["runs"] for name, entry in data["engines"].items()}
+    extra = add_bounds(runs)
+    here = _record.provenance(gpu=True)
+    data.update(bounds=extra["bounds"], rates=extra["rates"], below_bound=extra["below_bound"],
+                rates_note=f"measured after the call, on {here['host']} ({here['gpu']}): the call ended before "
+                           "measuring them")
+    for key in ("gpu", "driver"):  # a record saved before its engines' results were complete lacks them
+        data["provenance"][key] = data["provenance"].get(key) or here[key]
+    _print_table(data)
+    _record.write(path, data)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="full1.5b" if torch.cuda.is_available() else "tiny")
@@ -202,8 +202,14 @@ def main() -> None:
     parser.add_argument("--compile-skip-streamed", action="store_true",
                         help="with --compile-blocks: blocks whose weights stream stay eager")
     parser.add_argument("--json", default=None, help="write the record here (also after each engine run)")
+    parser.add_argument("--bounds-for", default=None, metavar="JSON",
+                        help="add the bounds to a record whose call ended before measuring its rates, measuring them "
+                             "now (the record notes it); run on the same host, warm")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bounds_for:
+        _bounds_later(args.bounds_for)
+        return
     if args.rounds < 1:
         parser.error("--rounds takes 1 or more")
     scenario = dict(SCENARIOS[args.scenario])

@@ -84,6 +84,18 @@ def where(file: str, data: dict) -> str:
             f"raw: [{file}](results/{file})")
 
 
+def scenario_text(data: dict) -> str:
+    """compare.py's scenario settings in words: shape, training, batch x sequence, VRAM cap, steps per run."""
+    sc = (data.get("settings") or {}).get("scenario") or {}
+    if not sc:
+        return ""
+    cap = f"VRAM capped at {sc['vram_gb']:g} GB" if sc.get("vram_gb") else "no VRAM cap"
+    what = "LoRA r=16 on every linear layer of the blocks" if sc.get("lora") else "full fine-tune"
+    extra = "; ".join(f"{k} {v}" for k, v in (data.get("settings") or {}).get("wrap_options", {}).items())
+    return (f"{sc.get('size', '?')} shape, {what}, {sc.get('batch')} x {sc.get('seq')} tokens, {cap}, "
+            f"{sc.get('steps')} steps per run" + (f"; wrap options: {extra}" if extra else ""))
+
+
 def engine_rows(data: dict, floors: list[str]) -> list[str]:
     unit = data.get("unit", "s")
     rows = []
@@ -111,8 +123,10 @@ def render_compare(items: list[tuple[str, dict]], headline: bool = False) -> str
         return "No same-run comparison has been recorded by `tools/bench/compare.py` yet."
     out = []
     for file, data in chosen:
-        out += [f"{'**' if headline else '### '}{data['name']}{'**' if headline else ''}: "
-                f"{data.get('settings', {}).get('scenario', {})}", "", where(file, data), ""]
+        if headline:  # the README: one paragraph per scenario
+            out += [f"**{data['name']}**, {scenario_text(data)}. {where(file, data)}", ""]
+        else:
+            out += [f"### {data['name']}: {scenario_text(data)}", "", where(file, data), ""]
         out += TABLE_HEAD + engine_rows(data, data.get("floors", [])) + [""]
         if headline:
             continue
