@@ -504,6 +504,10 @@ class UpdateEngine(ChannelOwner):
         if written is None:
             return
         if isinstance(written, int):
+            # The upload's event is read only after the wait: until the worker has applied update `written`,
+            # upload_event is the previous upload's, and waiting on it would let this forward read the weight
+            # while the new upload may still be landing (seen as a load-dependent difference on a GPU).
+            self.host.wait_applied(written)
             self.channel.order_compute_after(self.marks, written, self.host.wait_applied, slot.upload_event)
         else:
             self.channel.compute_wait(written)
