@@ -1,7 +1,8 @@
 """Parallel wrappers wrap() does not compose with are refused before anything changes (issue 43, item 2):
-a model under DistributedDataParallel (two reductions of every gradient), FSDP2's fully_shard (DTensor
-shards), and fully_shard() or a parameter replaced after wrap() (the optimizer would train tensors the
-forward no longer reads: refused at the next forward). One process, a gloo group of one rank."""
+a model under DistributedDataParallel (two reductions of every gradient), DTensor parameters outside FSDP2,
+a model whose blocks fully_shard() sharded but not its root, and fully_shard() or a parameter replaced after
+wrap() (the optimizer would train tensors the forward no longer reads: refused at the next forward). A model
+fully_shard() sharded composes. One process, a gloo group of one rank."""
 
 from __future__ import annotations
 
@@ -45,14 +46,48 @@ def test_a_model_under_ddp_is_refused_with_the_module_to_pass(group):
     trainstream.unwrap(model)
 
 
-def test_a_model_sharded_by_fully_shard_is_refused(group):
+def _fully_sharded(model, root: bool = True):
     from torch.distributed.fsdp import fully_shard
 
-    model = tiny_llama()
     for layer in model.model.layers:
         fully_shard(layer)
-    fully_shard(model)  # before: accepted, then "mixed torch.Tensor and DTensor" inside the first step()
-    _refused_unchanged(model, "sharded by FSDP")
+    if root:
+        fully_shard(model)
+    return model
+
+
+def test_a_model_whose_root_fully_shard_did_not_shard_is_refused(group):
+    model = _fully_sharded(tiny_llama(), root=False)  # the root's parameters' gradients would not be reduced
+    _refused_unchanged(model, "its root is not: call fully_shard\\(model\\) on the root as well")
+
+
+def test_a_model_sharded_by_fully_shard_trains_like_fsdp2_with_torch_adamw(group):
+    """Before: accepted, then "mixed torch.Tensor and DTensor" inside the first step(). Now the engine trains
+    the local shards (distributed/fsdp.py; 2 and 4 ranks in test_fsdp.py); here the Hugging Face model."""
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name in ("torch", "trainstream"):
+        torch.manual_seed(0)
+        model = _fully_sharded(tiny_llama())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if name == "trainstream":
+            model, opt = trainstream.wrap(model, opt, max_grad_norm=1.0)
+            assert any("FSDP2" in e for e in trainstream.memory_report(model)["events"])
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            if name == "torch":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        if name == "trainstream":
+            trainstream.unwrap(model)
+            assert all(type(p).__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
+        runs[name] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    for n, p in runs["torch"].items():
+        assert (p - runs["trainstream"][n]).abs().max() < 1e-5, n
+    torch.manual_seed(0)
+    initial = dict(tiny_llama().named_parameters())
+    assert all((p - initial[n]).abs().max() > 1e-4 for n, p in runs["trainstream"].items()), "trained nothing"
 
 
 def test_dtensor_parameters_are_refused_by_name(group):

@@ -192,6 +192,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p in params:
                 grad = held.get(id(p))
                 p.grad = None if grad is None else grad.zero_()
+            if session.shards is not None:  # FSDP2's sharded gradients not handed over yet
+                session.shards.zero_grad(set_to_none is not False)
 
     def state_dict(self) -> dict:
         session = self._session

@@ -60,8 +60,9 @@ class TrainStreamSession:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, options: WrapOptions, device: torch.device, plan, *,
-                 weights=None, quantized: dict | None = None):
+                 weights=None, quantized: dict | None = None, shards=None):
         self.model = model
+        self.shards = shards  # FSDP2: the optimizer's proxies of the local shards (distributed/fsdp.py)
         self.optimizer = optimizer
         self.config = options
         self.device = device
@@ -135,10 +136,18 @@ class TrainStreamSession:
             self.events.add("optimizer", "host AdamW writes the weights for upload with streaming stores")
         # Collective under data parallel (every rank builds its session); before the engine's worker starts,
         # so a refusal leaks nothing.
-        step_hook = tsd.setup(slots, device, self.events, enabled=options.distributed,
-                              timeout=options.distributed_timeout, settings={
-            "max_grad_norm": options.max_grad_norm, "moment_dtype": self.moment_dtype,
-            "accumulation_steps": options.accumulation_steps})
+        if shards is not None:  # FSDP2 reduces the gradients; the norm is the only collective left
+            from .distributed.fsdp import ShardedNorm
+
+            step_hook = ShardedNorm(shards.group)
+            self.events.add("distributed", f"FSDP2: this rank trains its local shards of {len(shards.pairs)} "
+                                           f"sharded parameters (their gradients reduce-scattered by FSDP2), "
+                                           f"updated at step(); clipping sums the norm over the mesh")
+        else:
+            step_hook = tsd.setup(slots, device, self.events, enabled=options.distributed,
+                                  timeout=options.distributed_timeout, settings={
+                "max_grad_norm": options.max_grad_norm, "moment_dtype": self.moment_dtype,
+                "accumulation_steps": options.accumulation_steps})
         self.engine = UpdateEngine(slots, device, self.moment_dtype, self.arena, self.events,
                                    max_grad_norm=options.max_grad_norm, accumulation_steps=options.accumulation_steps,
                                    seed=options.seed, guard_params=options.guard_params, placement=initial,
@@ -280,6 +289,8 @@ class TrainStreamSession:
         # The optimizer's placement adapts to the VRAM the settled activation policy leaves.
         settled = self.activations.settled
         self.activations.step_finished()
+        if self.shards is not None:
+            self.shards.hand_over_grads()  # FSDP2's reduce-scattered shards become the proxies' gradients
         try:
             late_edits = self.engine.step()
         finally:  # also when step() is interrupted: updates queued before it make device copies stale
@@ -485,6 +496,8 @@ class TrainStreamSession:
                 self.activations.remove()
             if self.guard is not None:
                 self.guard.remove()
+            if self.shards is not None:
+                self.shards.restore()
             for handle in self._handles:
                 handle.remove()
             for hook in self._hooks:

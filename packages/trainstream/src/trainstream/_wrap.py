@@ -14,6 +14,7 @@ from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
 from .distributed import check_options
 from .distributed.composition import check_composable
+from .distributed.fsdp import ShardProxies, sharded_by_fsdp2
 from .engine import SlotState
 from .engine.hooks import PlainDeepcopy
 from .memory.allocator import use_expandable_segments
@@ -53,7 +54,7 @@ def wrap(model: torch.nn.Module, optimizer=None, plan: Plan | None = None, confi
     ``trainstream.OffloadAdamW``, or ``None`` (one is made with ``lr=``). ``plan``: what
     ``trainstream.plan(model, optimizer, ...)`` returned, applied as it is (then pass no config or
     options); without it wrap() makes that plan first. ``config``: a ``trainstream.Config`` (or its
-    dict); keyword options (the README's table) override it. Options are validated up front. On any
+    dict); keyword options (every one in docs/options.md) override it. Options are validated up front. On any
     error, nothing has changed.
     """
     if not isinstance(model, torch.nn.Module):
@@ -83,12 +84,15 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
     """Applies `plan`: decides nothing (every "auto" is settled in it); all or nothing."""
     opts, device = plan.options(), plan.device
     converted, carried = to_offload_adamw(optimizer, model, opts.lr)
+    if sharded_by_fsdp2(model) and carried:
+        raise ValueError("the optimizer already holds AdamW state for FSDP2-sharded parameters; wrap() before the "
+                         "first step (carrying sharded state over is not supported yet)")
     embedding = host_embedding_candidate(model)[0] if opts.host_embedding else None
     # Quantize where the weights are, before the move: a base too large for the GPU in bf16 moves as codes.
     fmt = plan.quantize
     check_options(plan, device)  # data parallel: before any set-up whose collectives the options decide
     undo = _ModelUndo(model)
-    session = streamer = origin = None
+    session = streamer = origin = shards = None
     allocator_why = use_expandable_segments(device)  # before the quantize and move below allocate
     try:
         quantized = quantize_model(model, fmt, _replaced=undo.replaced) if fmt else None
@@ -100,8 +104,10 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
             _move_except(model, device, streamer.param_ids)
         elif any(p.device != device for p in model.parameters()) or quantized:
             model.to(device)  # keeps the Parameter objects, so the optimizer still refers to them
+        if sharded_by_fsdp2(model):
+            shards = ShardProxies.replace_in(converted)
         session = TrainStreamSession(model, converted, opts, device, plan, weights=streamer,
-                                     quantized={"quantize": fmt, **quantized} if quantized else None)
+                                     quantized={"quantize": fmt, **quantized} if quantized else None, shards=shards)
         if embedding is not None:
             session.install_host_embedding(embedding)
         memory = plan.memory
@@ -137,6 +143,8 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
         elif streamer is not None and origin is not None:
             with contextlib.suppress(Exception):
                 streamer.remove(to_device=False, device=origin)  # the weights go back where they were
+        if shards is not None and session is None:
+            shards.restore()
         undo.restore()
         raise
     if converted is optimizer:

@@ -1,11 +1,12 @@
 """Which parallel wrappers wrap() composes with, decided before anything changes.
 
 trainstream's data parallel reduces gradients itself and keeps whole (replicated) parameters. A model
-under ``DistributedDataParallel`` would have every gradient reduced twice; FSDP (``fully_shard``, or the
-older ``FullyShardedDataParallel``) and tensor parallel hold DTensor shards that the engine's host
-updates and buckets do not take yet. Both are refused at ``plan()`` / ``wrap()`` with the way that
-works; a ``fully_shard()`` applied after ``wrap()`` replaces the parameters under the optimizer, which
-the engine's forward guard refuses at the next forward (``engine/guard.py``).
+under ``DistributedDataParallel`` would have every gradient reduced twice: refused. A model sharded by
+FSDP2 (``fully_shard``) composes: each rank trains its own shards (``distributed/fsdp.py``, which checks
+the sharding it takes). The older ``FullyShardedDataParallel`` and DTensor parameters outside FSDP2
+(tensor parallel) are refused at ``plan()`` / ``wrap()`` with the way that works; a ``fully_shard()``
+applied after ``wrap()`` replaces the parameters under the optimizer, which the engine's forward guard
+refuses at the next forward (``engine/guard.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.slots import is_dtensor
+from .fsdp import check_sharded, sharded_by_fsdp2
 
 __all__ = ["WAYS", "check_composable"]
 
@@ -22,17 +24,22 @@ WAYS = ("use trainstream's own data parallel instead (wrap() the plain model in 
 
 
 def check_composable(model: torch.nn.Module) -> None:
-    """ValueError for a model under DistributedDataParallel or FSDP, or with DTensor parameters."""
+    """ValueError for a model under DistributedDataParallel or FullyShardedDataParallel, with DTensor
+    parameters outside FSDP2, or sharded by FSDP2 in a way trainstream does not take (fsdp.check_sharded)."""
+    fsdp2 = sharded_by_fsdp2(model)
     for name, module in model.named_modules():
         kind = type(module).__name__
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             where = "the model is" if not name else f"{name!r} is"
             raise ValueError(f"{where} under DistributedDataParallel: its gradient reduction and trainstream's "
                              f"would both run. Pass the module inside (model.module) to wrap(): {WAYS}")
-        if kind == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+        if kind == "FullyShardedDataParallel":
             where = "the model" if not name else f"{name!r}"
-            raise ValueError(f"{where} is sharded by FSDP (fully_shard / FullyShardedDataParallel), which wrap() "
-                             f"does not compose with yet (its parameters are DTensor shards): {WAYS}")
+            raise ValueError(f"{where} is sharded by FullyShardedDataParallel (FSDP1), which wrap() does not "
+                             f"compose with: shard it with FSDP2's fully_shard() instead, or {WAYS}")
+    if fsdp2:
+        check_sharded(model)
+        return
     sharded = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
     if sharded is not None:
         raise ValueError(f"parameter {sharded!r} is a DTensor (tensor parallel or FSDP sharding), which wrap() "

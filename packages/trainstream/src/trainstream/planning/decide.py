@@ -30,6 +30,7 @@ from .._options import WrapOptions, parse_options
 from ..activations.lora_inputs import eligible_layers
 from ..activations.policy import blocks_of, streamed_blocks_of
 from ..distributed.composition import check_composable
+from ..distributed.fsdp import sharded_by_fsdp2
 from ..memory.blocks import find_blocks
 from ..memory.sizing import (
     PLAN_BATCH,
@@ -90,6 +91,8 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
     if dropped:
         notes.append(("memory", dropped))
     decisions = []
+    if sharded_by_fsdp2(model):
+        opts = _under_fsdp2(opts, decisions)
     embedding_on, why = _host_embedding(model, device, opts)
     if opts.host_embedding == "auto":
         decisions.append(Decision("host_embedding", embedding_on, why))
@@ -140,6 +143,23 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
                 memory=memory, host_message=host.message, host_state_bytes=host.needed_own,
                 decisions=tuple(decisions), notes=tuple(notes), resolved=tuple(resolved.as_dict().items()),
                 made_for=fingerprint(model, optimizer))
+
+
+def _under_fsdp2(opts: WrapOptions, decisions: list) -> WrapOptions:
+    """FSDP2 owns the weights and reduces the gradients: trainstream's data parallel is off and its weight
+    placements (streaming, quantizing, the host embedding) do not apply to sharded parameters yet; set
+    explicitly, they are refused."""
+    given = {"distributed": opts.distributed is True, "param_offload": opts.param_offload not in (False, "auto"),
+             "quantize": opts.quantize not in ("auto", None), "host_embedding": opts.host_embedding is True}
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        raise ValueError(f"{', '.join(refused)} cannot be used on a model sharded by FSDP2 (fully_shard): FSDP2 "
+                         f"reduces the gradients and owns the sharded weights; leave "
+                         f"{'it' if len(refused) == 1 else 'them'} at the default")
+    decisions.append(Decision("distributed", False, "the model is sharded by FSDP2 (fully_shard): FSDP2 reduce-"
+                                                    "scatters the gradients, and each rank trains its own shards"))
+    return dataclasses.replace(opts, distributed=False, param_offload=False, host_embedding=False,
+                               quantize=None if opts.quantize == "auto" else opts.quantize)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

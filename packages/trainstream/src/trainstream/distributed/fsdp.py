@@ -1,0 +1,148 @@
+"""FSDP2 composition: ``fully_shard()`` the model as usual, then ``wrap(model, optimizer)``.
+
+FSDP2 keeps each parameter as a DTensor sharded on dim 0 over a 1-D mesh; its forward all-gathers from the
+shard's local tensor and its backward reduce-scatters the gradient into the sharded parameter's ``.grad``.
+The engine trains the local shards: each sharded parameter gets a *proxy*, a plain Parameter over the same
+storage as its local tensor, and the optimizer holds the proxies in place of the DTensors. At ``step()``
+the reduce-scattered gradient shards are handed to the proxies (``hand_over_grads``), host AdamW updates
+them like any other gradient, and the new values land in the local tensors FSDP2 all-gathers from next.
+Clipping is global: the engine's sum of squares is summed over the mesh (``ShardedNorm``).
+
+Invariants:
+  1. A proxy shares storage with its DTensor's local tensor for the whole wrap (FSDP2 re-pads only a
+     replaced parameter: ``check_sharded`` runs at wrap() and the forward guard refuses replaced ones).
+  2. Between ``hand_over_grads`` and the engine taking them, a gradient lives on the proxy only: the
+     DTensor's ``.grad`` is None, so no gradient is counted twice.
+  3. ``restore`` puts the DTensors back in the optimizer's groups: unwrap() leaves the user's optimizer
+     over the model's own parameters.
+
+What does not compose yet is refused by ``check_sharded`` with its reason (HSDP and tensor-parallel
+meshes, unsharded trainable parameters beside sharded ones); streamed or quantized weights are refused by
+the plan (``planning/decide.py``). The updates start at ``step()``, not during backward, for now.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.slots import is_dtensor
+
+__all__ = ["ShardedNorm", "ShardProxies", "check_sharded", "sharded_by_fsdp2"]
+
+
+def _is_fsdp2_module(module: torch.nn.Module) -> bool:
+    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+
+
+def sharded_by_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether fully_shard() (FSDP2) sharded the model or one of its modules."""
+    return any(_is_fsdp2_module(m) for m in model.modules())
+
+
+def check_sharded(model: torch.nn.Module) -> None:
+    """ValueError unless every trainable parameter is an FSDP2 shard trainstream takes: a DTensor sharded on
+    dim 0 over a 1-D mesh, under a root that fully_shard() sharded too."""
+    if not _is_fsdp2_module(model):
+        raise ValueError("the model's blocks are sharded by fully_shard() but its root is not: call "
+                         "fully_shard(model) on the root as well (FSDP2 reduces the root's own parameters' "
+                         "gradients only then), and wrap() the root")
+    from torch.distributed.tensor import Shard
+
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not is_dtensor(p):
+            raise ValueError(f"parameter {name!r} trains but is not sharded by fully_shard(): its gradient would "
+                             f"not be reduced over the ranks; shard the module that owns it")
+        placements = tuple(p.placements)
+        if p.device_mesh.ndim != 1 or placements != (Shard(0),):
+            raise ValueError(f"parameter {name!r} is placed {placements} over a {p.device_mesh.ndim}-D mesh: "
+                             f"trainstream takes FSDP2's dim-0 sharding over a 1-D mesh (HSDP and tensor "
+                             f"parallel meshes not yet)")
+
+
+class ShardProxies:
+    """The proxies of an optimizer's sharded parameters (module docstring); built by ``replace_in``."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (DTensor parameter, proxy)
+        self._groups: list[tuple[dict, list]] = []  # (param group, its original params), for restore
+        self.group = None  # the mesh's process group (the norm's all-reduce)
+
+    @classmethod
+    def replace_in(cls, optimizer) -> ShardProxies:
+        """Replaces each DTensor parameter of the optimizer's groups by its proxy (in place)."""
+        proxies = cls()
+        for group in optimizer.param_groups:
+            originals = list(group["params"])
+            replaced = []
+            for p in originals:
+                if not is_dtensor(p):
+                    replaced.append(p)
+                    continue
+                local = p._local_tensor
+                proxy = torch.nn.Parameter(local, requires_grad=p.requires_grad)  # same storage (invariant 1)
+                proxies.pairs.append((p, proxy))
+                proxies.group = proxies.group or p.device_mesh.get_group()
+                replaced.append(proxy)
+            proxies._groups.append((group, originals))
+            group["params"] = replaced
+        return proxies
+
+    def hand_over_grads(self) -> None:
+        """step(): each reduce-scattered gradient shard moves to its proxy (invariant 2); a gradient already
+        on the proxy (an earlier hand-over that step() did not take) is summed, as autograd would."""
+        for p, proxy in self.pairs:
+            grad = p.grad
+            if grad is None:
+                continue
+            local = grad._local_tensor if is_dtensor(grad) else grad
+            proxy.grad = local if proxy.grad is None else proxy.grad + local
+            p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The sharded parameters' own gradients (FSDP2's, not yet handed over), as the optimizer's zero_grad."""
+        for p, _proxy in self.pairs:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def restore(self) -> None:
+        """unwrap(): the optimizer's groups hold the DTensor parameters again (invariant 3)."""
+        for group, originals in self._groups:
+            group["params"] = originals
+        self._groups = []
+
+
+class ShardedNorm:
+    """The engine's step hook under FSDP2: each rank updates its own shards, so the only collective is the
+    global gradient norm for clipping (the sum of squares over the mesh); the state stays per rank."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def before_step(self, engine) -> None:
+        return None
+
+    def after_updates(self, engine) -> None:
+        return None
+
+    def discard(self) -> None:  # zero_grad(): no window of its own to restart
+        return None
+
+    def global_sum_of_squares(self, local: float) -> float:
+        total = torch.tensor([local], dtype=torch.float64)
+        if torch.distributed.get_backend(self.group) == "nccl":
+            total = total.cuda()
+        torch.distributed.all_reduce(total, group=self.group)
+        return float(total.item())
+
+    def gather_state(self, state: dict) -> dict:
+        """state_dict(): this rank's shards' state (sharded checkpoints are torch.distributed.checkpoint's job)."""
+        return state
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,134 @@
+"""Rank side of test_fsdp.py: FSDP2 (fully_shard) + trainstream.wrap() against FSDP2 + torch.optim.AdamW, both
+on the same global batches, run on spawned gloo ranks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import trainstream  # before init_process_group (trainstream warns otherwise)
+from distributed_testing import free_port
+
+WIDTH, BLOCKS, BATCH = 32, 3, 8
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(), torch.nn.Linear(2 * WIDTH, WIDTH))
+              for _ in range(BLOCKS)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(WIDTH, 1))
+
+
+def shard(model: torch.nn.Module, mixed: bool) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    for block in list(model)[:BLOCKS]:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def batch(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, 1, generator=g)
+    share = BATCH // world
+    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+
+def train(model, opt, steps: int, rank: int, world: int, accumulation: int = 1, clip: float | None = None) -> list:
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            x, y = batch(step, micro, rank, world)
+            loss = torch.nn.functional.mse_loss(model(x), y) / accumulation
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None and not hasattr(opt, "_session"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1, clip: float | None = None) -> dict:
+    reference = shard(make_model(), mixed)
+    ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01), 4, rank,
+                       world, accumulation, clip)
+    ours = shard(make_model(), mixed)
+    model, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01),
+                                  max_grad_norm=clip, guard_params=True)
+    losses = train(model, opt, 4, rank, world, accumulation, clip)
+    report = trainstream.memory_report(model)
+    trainstream.unwrap(model)
+    return {"ref_losses": ref_losses, "losses": losses, "ref": full_weights(reference), "ours": full_weights(model),
+            "host_values": sum(p["values"] for p in report["optimizer"]["placements"].values()),
+            "total_values": sum(p.numel() for p in make_model().parameters()),
+            "events": report["events"], "optimizer_params_after_unwrap": [type(p).__name__ for g in opt.param_groups
+                                                                           for p in g["params"]]}
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What does not compose, refused at wrap() with its reason."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    blocks_only = make_model()
+    for block in list(blocks_only)[:BLOCKS]:
+        fully_shard(block)
+    for name, model, options in (("root_unsharded", blocks_only, {}),
+                                 ("quantize", shard(make_model(), False), {"quantize": "int8"}),
+                                 ("distributed", shard(make_model(), False), {"distributed": True})):
+        try:
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), **options)
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+CASES = {
+    "plain": lambda r, w: compare(r, w),
+    "clip_accumulate": lambda r, w: compare(r, w, clip=0.05, accumulation=2),
+    "mixed": lambda r, w: compare(r, w, mixed=True, clip=0.5),
+    "refusals": refusals,
+}
+
+
+def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name in cases:
+        try:
+            results[name] = CASES[name](rank, world)
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+    torch.save(results, pathlib.Path(out) / f"fsdp-{world}-rank{rank}.pt")
+    os._exit(0)
+
+
+def run(world: int, cases: list[str], out: pathlib.Path, limit: float = 180.0) -> list[dict]:
+    ctx = mp.start_processes(_worker, args=(world, free_port(), str(out), cases), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + limit
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish {cases} within {limit} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(out / f"fsdp-{world}-rank{r}.pt", weights_only=False) for r in range(world)]
