@@ -66,14 +66,17 @@ def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1
     ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01), 4, rank,
                        world, accumulation, clip)
     ours = shard(make_model(), mixed)
-    model, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01),
-                                  max_grad_norm=clip, guard_params=True)
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01)
+    planned = trainstream.plan(ours, optimizer, max_grad_norm=clip).host_state_bytes  # this rank's shards
+    whole = trainstream.plan(make_model(), lr=1e-2, distributed=False).host_state_bytes  # one process, unsharded
+    model, opt = trainstream.wrap(ours, optimizer, max_grad_norm=clip, guard_params=True)
     losses = train(model, opt, 4, rank, world, accumulation, clip)
     report = trainstream.memory_report(model)
     trainstream.unwrap(model)
     return {"ref_losses": ref_losses, "losses": losses, "ref": full_weights(reference), "ours": full_weights(model),
             "host_values": sum(p["values"] for p in report["optimizer"]["placements"].values()),
             "total_values": sum(p.numel() for p in make_model().parameters()),
+            "planned_share": planned / whole,
             "events": report["events"], "optimizer_params_after_unwrap": [type(p).__name__ for g in opt.param_groups
                                                                            for p in g["params"]]}
 

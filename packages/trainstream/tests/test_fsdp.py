@@ -37,6 +37,7 @@ def test_fsdp2_and_wrap_equal_fsdp2_with_torch_adamw(tmp_path, world):
             _check_equal(results[case])
             share = results[case]["host_values"] / results[case]["total_values"]
             assert abs(share - 1 / world) < 0.05 / world, (rank, share)  # within 5 % of 1/world
+            assert abs(results[case]["planned_share"] - share) < 0.05 / world  # the plan prices this rank's shards
             assert set(results[case]["optimizer_params_after_unwrap"]) == {"DTensor"}  # unwrap() put them back
     events = ranks[0]["plain"]["events"]
     assert any("FSDP2: this rank trains its local shards" in e for e in events)

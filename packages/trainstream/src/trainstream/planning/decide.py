@@ -31,6 +31,7 @@ from ..activations.lora_inputs import eligible_layers
 from ..activations.policy import blocks_of, streamed_blocks_of
 from ..distributed.composition import check_composable
 from ..distributed.fsdp import sharded_by_fsdp2
+from ..engine.slots import is_dtensor
 from ..memory.blocks import find_blocks
 from ..memory.sizing import (
     PLAN_BATCH,
@@ -190,11 +191,11 @@ class _HostState:
 
 
 def trained_params(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
-    """The parameters the engine will train, in its slot order (the optimizer's groups, or the model's
-    trainable parameters when there is no optimizer, as wrap() makes one)."""
-    if optimizer is None:
-        return [p for p in model.parameters() if p.requires_grad]
-    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    """The tensors the engine will train, in its slot order (the optimizer's groups, or the model's
+    trainable parameters when there is no optimizer, as wrap() makes one); an FSDP2-sharded parameter
+    counts as this rank's local shard, which is what the engine trains (distributed/fsdp.py)."""
+    params = (model.parameters() if optimizer is None else (p for g in optimizer.param_groups for p in g["params"]))
+    return [p._local_tensor if is_dtensor(p) else p for p in params if p.requires_grad]
 
 
 def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
