@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-
 pytest.importorskip("torch.distributed.fsdp")
-import fsdp_testing  # noqa: E402
+import fsdp_testing
 
 # torch's AdamW and ts-adamw round differently in the last bits (their documented gap: a few 1e-7 after 4 steps).
 TOLERANCE = 2e-6
