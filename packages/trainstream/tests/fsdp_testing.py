@@ -100,12 +100,42 @@ def refusals(rank: int, world: int) -> dict:
     return out
 
 
+def checkpoint(rank: int, world: int, out: pathlib.Path, *, save: bool) -> dict:
+    """save: 2 steps, a sharded checkpoint, 2 more (the uninterrupted weights); else: load that checkpoint
+    (written at any world size) into a fresh model and run the same 2 more steps."""
+    from trainstream.distributed import load_checkpoint, save_checkpoint
+
+    model = shard(make_model(seed=1), False)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5)
+    if save:
+        train(model, opt, 2, rank, world)
+        save_checkpoint(model, opt, out / "fsdp-checkpoint")
+    else:
+        load_checkpoint(model, opt, out / "fsdp-checkpoint")
+    losses = [train_from(model, opt, step, rank, world) for step in (2, 3)]
+    weights = full_weights(model)
+    trainstream.unwrap(model)
+    return {"losses": losses, "weights": weights}
+
+
+def train_from(model, opt, step: int, rank: int, world: int) -> float:
+    x, y = batch(step, 0, rank, world)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 CASES = {
     "plain": lambda r, w: compare(r, w),
     "clip_accumulate": lambda r, w: compare(r, w, clip=0.05, accumulation=2),
     "mixed": lambda r, w: compare(r, w, mixed=True, clip=0.5),
     "refusals": refusals,
+    "save": lambda r, w, o: checkpoint(r, w, o, save=True),
+    "resume": lambda r, w, o: checkpoint(r, w, o, save=False),
 }
+NEEDS_OUT = ("save", "resume")
 
 
 def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
@@ -115,9 +145,11 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> Non
     results = {}
     for name in cases:
         try:
-            results[name] = CASES[name](rank, world)
+            results[name] = (CASES[name](rank, world, pathlib.Path(out)) if name in NEEDS_OUT
+                             else CASES[name](rank, world))
         except Exception:
             results[name] = {"failed": traceback.format_exc()}
+    dist.barrier()  # every rank's part of a checkpoint is written before any rank leaves
     torch.save(results, pathlib.Path(out) / f"fsdp-{world}-rank{rank}.pt")
     os._exit(0)
 

@@ -7,6 +7,10 @@ moments, step, under keys named by the parameter's index) beside the model's wei
 alike and DCP writes once; ``load_checkpoint`` asks DCP for the slots this rank owns now, so a checkpoint
 from N ranks resumes on M (ownership is recomputed at ``wrap()``), in one process too. Both are collective
 when a process group is initialized: every rank calls them with the same path.
+
+Under FSDP2 (``distributed/fsdp.py``) each rank's state is its shards': every field goes to DCP as a DTensor
+laid out as its parameter, so DCP writes each rank's shard and, at another world size, reads the rows each
+rank holds now.
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ def save_checkpoint(model: torch.nn.Module, optimizer, path: str | os.PathLike) 
         if slot.owned:
             if slot.weight_changed():
                 slot.follow_weight()  # a weight edited since the last update is what training continues from
-            state["optimizer"]["state"][str(slot.index)] = slot.export()
+            entry = slot.export()
+            if session.shards is not None:
+                entry = {k: v if k == "step" else session.shards.as_global(slot.param, v) for k, v in entry.items()}
+            state["optimizer"]["state"][str(slot.index)] = entry
     with _quiet_alone():
         dcp.save(state, checkpoint_id=os.fspath(path), no_dist=_no_dist())
 
@@ -83,16 +90,26 @@ def load_checkpoint(model: torch.nn.Module, optimizer, path: str | os.PathLike) 
     if unknown:
         raise ValueError(f"the checkpoint in {path} has optimizer state for parameters {unknown}, which this "
                          f"optimizer does not train")
-    weights = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
+    shards = session.shards
+    weights = {k: torch.empty_like(v) if shards is not None else torch.empty_like(v, device="cpu")
+               for k, v in model.state_dict().items()}
     mine = [i for i in indices if slots[i].owned or session.engine.step_hook is None]
+
+    def target(i: int) -> torch.Tensor:
+        field = torch.empty(slots[i].param.shape, dtype=torch.float32)
+        return field if shards is None else shards.as_global(slots[i].param, field)
+
     state = {"model": weights, "optimizer": {"param_groups": _groups(optimizer), "state": {
-        str(i): {"step": torch.zeros(()), **{name: torch.empty(slots[i].param.shape, dtype=torch.float32)
-                                             for name in _FIELDS[1:]}} for i in mine}}}
+        str(i): {"step": torch.zeros(()), **{name: target(i) for name in _FIELDS[1:]}} for i in mine}}}
     for key in (f"{_STATE}.{i}.{name}" for i in mine for name in _FIELDS):
         if key not in saved:
             raise ValueError(f"the checkpoint in {path} lacks {key}")
     with _quiet_alone():
         dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    if shards is not None:  # this rank's rows, read into the DTensors' local tensors
+        for entry in state["optimizer"]["state"].values():
+            for name in _FIELDS[1:]:
+                entry[name] = entry[name].to_local().cpu()
     # The optimizer checks its share as load_state_dict checks a whole state, before the model changes.
     load = optimizer.shared_loader(state["optimizer"], indices)
     model.load_state_dict(state["model"])

@@ -27,7 +27,7 @@ import torch
 
 from ..engine.slots import is_dtensor
 
-__all__ = ["ShardedNorm", "ShardProxies", "check_sharded", "sharded_by_fsdp2"]
+__all__ = ["ShardProxies", "ShardedNorm", "check_sharded", "sharded_by_fsdp2"]
 
 
 def _is_fsdp2_module(module: torch.nn.Module) -> bool:
@@ -89,6 +89,21 @@ class ShardProxies:
             group["params"] = replaced
         return proxies
 
+    def sharded_of(self, proxy: torch.Tensor) -> torch.nn.Parameter | None:
+        """The DTensor parameter a proxy stands for (None for a parameter that is not sharded)."""
+        return next((p for p, x in self.pairs if x is proxy), None)
+
+    def as_global(self, proxy: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """A state tensor of a proxy's shape as a DTensor laid out as its parameter (DCP then writes each
+        rank's shard and reshards at another world size); a tensor of an unsharded parameter as it is."""
+        p = self.sharded_of(proxy)
+        if p is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local.reshape(proxy.shape).to(p.device), p.device_mesh, p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+
     def hand_over_grads(self) -> None:
         """step(): each reduce-scattered gradient shard moves to its proxy (invariant 2); a gradient already
         on the proxy (an earlier hand-over that step() did not take) is summed, as autograd would."""
@@ -131,6 +146,9 @@ class ShardedNorm:
         return None
 
     def discard(self) -> None:  # zero_grad(): no window of its own to restart
+        return None
+
+    def share_weights(self, slots) -> None:  # a loaded state rewrote this rank's own shards only
         return None
 
     def global_sum_of_squares(self, local: float) -> float:
