@@ -3,6 +3,7 @@
 // validated into a Plan, and the work runs without the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -12,12 +13,15 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 #include <unistd.h>
 
 #include "cuda_entry.h"
+#include "disk_state.h"
 #include "host_adamw.h"
 #include "host_norm.h"
 #include "host_stream.h"
@@ -113,6 +117,93 @@ void step_sync(const Arrays& params, const Arrays& grads, const Arrays& ms, cons
     nb::gil_scoped_release release;
     run_host_step(plan);
 }
+
+// step() over pieces of larger tensors: offsets[i] is the index of element 0
+// of tensor i in its whole tensor's stochastic-rounding stream, so a tensor
+// updated piece by piece (the disk tier's segments) gets the bits of one call.
+void step_pieces(const Arrays& params, const Arrays& grads, const Arrays& ms, const Arrays& vs, const Arrays& outs,
+                 const std::vector<uint32_t>& slots, const std::vector<int64_t>& offsets, double lr, double beta1,
+                 double beta2, double eps, double wd, int64_t step, bool maximize, double grad_scale, uint64_t seed,
+                 int threads) {
+    Plan plan = host_plan(params, grads, ms, vs, outs, slots,
+                          make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed), threads);
+    TS_CHECK_ARG(offsets.size() == plan.segments.size(), "adamw_step: ", offsets.size(), " offsets for ",
+                 plan.segments.size(), " tensors");
+    for (size_t i = 0; i < offsets.size(); ++i) {
+        TS_CHECK_ARG(offsets[i] >= 0 && offsets[i] <= (int64_t(1) << 62), "adamw_step: offsets[", i, "]=",
+                     offsets[i], " must be from 0 to 2**62");
+        plan.segments[i].first_index = offsets[i];
+    }
+    nb::gil_scoped_release release;
+    run_host_step(plan);
+}
+
+// The Python face of a StateFile: holds each request's buffer (its DLPack
+// reference keeps the tensor alive) until the ticket is waited or the file
+// closed, so a Python caller cannot free memory an I/O thread still writes
+// (disk_state.h, invariant 3). `held` is touched only with the GIL.
+struct DiskFile {
+    std::unique_ptr<StateFile> file;
+    std::unordered_map<uint64_t, AnyArray> held;
+
+    DiskFile(const std::string& directory, uint64_t nbytes, int io_threads, int direct, bool anonymous) {
+        nb::gil_scoped_release release;  // posix_fallocate may write the whole file where it is emulated
+        file = std::make_unique<StateFile>(directory, nbytes, io_threads, direct, anonymous);
+    }
+    ~DiskFile() {
+        if (file && !file->owned_here()) {  // a child of fork(): close its descriptor, leak the rest
+            file->close();
+            (void)file.release();
+            return;
+        }
+        close();
+    }
+
+    uint64_t submit(IoOp op, uint64_t offset, AnyArray buffer, std::optional<uint64_t> nbytes) {
+        const char* fn = op == IoOp::read ? "StateFile.read" : "StateFile.write";
+        TS_CHECK_ARG(ts::is_cpu(buffer), fn, ": the buffer is not a CPU tensor; disk I/O moves host memory");
+        TS_CHECK_ARG(ts::is_contiguous(buffer), fn, ": the buffer must be contiguous");
+        const uint64_t have = ts::nbytes_of(buffer);
+        const uint64_t n = nbytes.value_or(have);
+        TS_CHECK_ARG(n <= have, fn, ": nbytes=", n, " is more than the buffer's ", have, " bytes");
+        const uint64_t ticket = file->submit(op, offset, buffer.data(), n);
+        held.emplace(ticket, std::move(buffer));
+        return ticket;
+    }
+    void wait(uint64_t ticket) {
+        try {
+            nb::gil_scoped_release release;
+            file->wait(ticket);
+        } catch (...) {
+            held.erase(ticket);
+            throw;
+        }
+        held.erase(ticket);
+    }
+    void close() {
+        {
+            nb::gil_scoped_release release;
+            file->close();
+        }
+        held.clear();
+    }
+};
+
+IoOp io_op(const std::string& name) {
+    if (name == "read") return IoOp::read;
+    if (name == "write") return IoOp::write;
+    ts::throw_value_error("op \"", name, "\" is not read or write");
+}
+
+IoFault io_fault(const std::string& name) {
+    if (name == "partial") return IoFault::partial;
+    if (name == "short") return IoFault::short_eof;
+    if (name == "eio") return IoFault::eio;
+    if (name == "none") return IoFault::none;
+    ts::throw_value_error("fault \"", name, "\" is not partial, short, eio or none");
+}
+
+PyObject* disk_io_error = nullptr;  // ts_adamw._core.DiskIOError, created once by the module
 
 std::unique_ptr<StepHandle> step_async(Arrays params, Arrays grads, Arrays ms, Arrays vs, Arrays outs,
                                        const std::vector<uint32_t>& slots, double lr, double beta1, double beta2,
@@ -270,5 +361,59 @@ NB_MODULE(_core, m) {
             step_lane().drain();
         },
         "Waits (GIL released) until every submitted async step has finished; run at interpreter exit.");
+    m.def("step_pieces", &step_pieces, nb::arg("params").noconvert(), nb::arg("grads").noconvert(),
+          nb::arg("exp_avgs").noconvert(), nb::arg("exp_avg_sqs").noconvert(), nb::arg("params_out").noconvert(),
+          nb::arg("slots"), nb::arg("offsets"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
+          nb::arg("weight_decay"), nb::arg("step"), nb::arg("maximize"), nb::arg("grad_scale"), nb::arg("seed"),
+          nb::arg("threads"),
+          "step() over pieces of larger tensors: offsets[i] is element 0's index in its tensor's rounding stream.");
+
+    disk_io_error = PyErr_NewExceptionWithDoc(
+        "ts_adamw._core.DiskIOError",
+        "A disk-state I/O failure: an OSError whose errno is set and whose message names the file, the offset "
+        "and the bytes.",
+        PyExc_OSError, nullptr);
+    if (disk_io_error == nullptr) throw nb::python_error();
+    m.attr("DiskIOError") = nb::borrow(disk_io_error);
+    nb::register_exception_translator([](const std::exception_ptr& error, void*) {
+        try {
+            std::rethrow_exception(error);
+        } catch (const DiskError& e) {
+            PyObject* args = Py_BuildValue("(is)", e.error, e.what());
+            if (args != nullptr) {
+                PyErr_SetObject(disk_io_error, args);
+                Py_DECREF(args);
+            }
+        }
+    });
+    m.attr("DISK_ALIGN") = kDiskAlign;
+    m.attr("DISK_CHUNK_BYTES") = kDiskChunkBytes;
+    m.attr("MAX_IO_THREADS") = kMaxIoThreads;
+    nb::class_<DiskFile>(m, "StateFile", "A scratch file of optimizer state; see ts_adamw.StateFile.")
+        .def(nb::init<const std::string&, uint64_t, int, int, bool>(), nb::arg("directory"), nb::arg("nbytes"),
+             nb::arg("io_threads"), nb::arg("direct"), nb::arg("anonymous"))
+        .def("submit",
+             [](DiskFile& f, const std::string& op, uint64_t offset, AnyArray buffer, std::optional<uint64_t> n) {
+                 return f.submit(io_op(op), offset, std::move(buffer), n);
+             },
+             nb::arg("op"), nb::arg("offset"), nb::arg("buffer").noconvert(), nb::arg("nbytes").none())
+        .def("wait", &DiskFile::wait, nb::arg("ticket"))
+        .def("done", [](DiskFile& f, uint64_t ticket) { return f.file->done(ticket); }, nb::arg("ticket"))
+        .def("close", &DiskFile::close)
+        .def("_fail_next",
+             [](DiskFile& f, const std::string& fault, const std::string& op, uint64_t after) {
+                 f.file->fail_next(io_op(op), io_fault(fault), after);
+             },
+             nb::arg("fault"), nb::arg("op"), nb::arg("after"))
+        .def_prop_ro("directory", [](DiskFile& f) { return f.file->directory(); })
+        .def_prop_ro("path", [](DiskFile& f) { return f.file->path(); })
+        .def_prop_ro("direct", [](DiskFile& f) { return f.file->direct(); })
+        .def_prop_ro("anonymous", [](DiskFile& f) { return f.file->anonymous(); })
+        .def_prop_ro("size", [](DiskFile& f) { return f.file->size(); })
+        .def_prop_ro("io_threads", [](DiskFile& f) { return f.file->io_threads(); })
+        .def_prop_ro("closed", [](DiskFile& f) { return f.file->closed(); })
+        .def_prop_ro("pending", [](DiskFile& f) { return f.file->pending(); });
+    m.def("_simulate_direct_refused", &simulate_direct_refused, nb::arg("on"),
+          "Test hook: while on, new StateFiles act as if their filesystem refused O_DIRECT.");
     m.def("_failing_handle", &failing_handle, nb::arg("message"), "Test hook: a handle that fails on wait().");
 }

@@ -147,12 +147,14 @@ void run_window(const Plan& plan, KernelFn fn, float* p, const char* g, char* m,
 }
 
 // Runs elements [local, local+count) of one segment, split at 2^32-element
-// windows (the stochastic-rounding counter is 32-bit inside a window).
+// windows of the rounding index s.first_index + local (the stochastic-rounding
+// counter is 32-bit inside a window).
 void run_piece(const Plan& plan, const Segment& s, KernelFn fn, int64_t local, int64_t count, bool stream) {
     const size_t gb = kind_bytes(s.grad_kind), mb = kind_bytes(plan.moment_kind), ob = kind_bytes(s.out_kind);
     while (count > 0) {
-        const uint32_t lo = uint32_t(local);
-        const uint32_t hi = uint32_t(uint64_t(local) >> 32);
+        const uint64_t index = uint64_t(s.first_index + local);
+        const uint32_t lo = uint32_t(index);
+        const uint32_t hi = uint32_t(index >> 32);
         const int64_t piece = std::min<int64_t>(count, (int64_t(1) << 32) - int64_t(lo));
         auto* g = static_cast<const char*>(s.grad) + size_t(local) * gb;
         auto* m = static_cast<char*>(s.exp_avg) + size_t(local) * mb;

@@ -20,6 +20,10 @@ struct Segment {
     Kind grad_kind;
     Kind out_kind;
     uint32_t key;  // stochastic-rounding key of this tensor
+    // Index of element 0 in the stochastic-rounding stream of its tensor: a
+    // piece of a larger tensor (the disk tier updates one segment at a time)
+    // rounds as that tensor does in one call. Host engine only; 0 elsewhere.
+    int64_t first_index = 0;
 };
 
 struct Plan {

@@ -1,9 +1,11 @@
-"""Fast AdamW for PyTorch: a host engine (threads + SIMD, fp32/bf16 moments) and CUDA kernels."""
+"""Fast AdamW for PyTorch: a host engine (threads + SIMD, fp32/bf16 moments), CUDA kernels, and AdamW over
+state kept on disk (StateFile, DiskState)."""
 
 import atexit
 
 from . import _core
 from ._cuda import CudaAdamWBatch, cuda_adamw_step
+from ._disk import DiskIOError, DiskState, StateFile, adamw_step_on_disk, aligned_empty
 from ._functional import HostAdamW, StepHandle, adamw_step, adamw_step_async, adamw_steps, sum_of_squares
 from ._optimizer import AdamW
 
@@ -54,11 +56,16 @@ def streaming_stores() -> str:
 __all__ = [
     "AdamW",
     "CudaAdamWBatch",
+    "DiskIOError",
+    "DiskState",
     "HostAdamW",
+    "StateFile",
     "StepHandle",
     "adamw_step",
     "adamw_step_async",
+    "adamw_step_on_disk",
     "adamw_steps",
+    "aligned_empty",
     "built_with_cuda",
     "cuda_adamw_step",
     "host_isa",
