@@ -69,7 +69,7 @@ def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1
     optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01)
     planned = trainstream.plan(ours, optimizer, max_grad_norm=clip).host_state_bytes  # this rank's shards
     whole = trainstream.plan(make_model(), lr=1e-2, distributed=False).host_state_bytes  # one process, unsharded
-    model, opt = trainstream.wrap(ours, optimizer, max_grad_norm=clip, guard_params=True)
+    model, opt = trainstream.wrap(ours, optimizer, max_grad_norm=clip, accumulation_steps=accumulation)
     losses = train(model, opt, 4, rank, world, accumulation, clip)
     report = trainstream.memory_report(model)
     trainstream.unwrap(model)
@@ -79,6 +79,22 @@ def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1
             "planned_share": planned / whole,
             "events": report["events"], "optimizer_params_after_unwrap": [type(p).__name__ for g in opt.param_groups
                                                                            for p in g["params"]]}
+
+
+def overlap(rank: int, world: int) -> dict:
+    """Without clipping, host AdamW starts on a group's shards during backward: updates are under way (or
+    done) when backward() returns, before step()."""
+    model = shard(make_model(), False)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = batch(0, 0, rank, world)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    session = model._trainstream_session
+    session.engine.host.drain()  # the updates queued during backward finish (step() has not run)
+    before_step = trainstream.memory_report(model)["optimizer"]["host_updates"]
+    opt.step()
+    opt.zero_grad()
+    trainstream.unwrap(model)
+    return {"host_updates_before_step": before_step, "sharded": len(session.shards.pairs)}
 
 
 def refusals(rank: int, world: int) -> dict:
@@ -132,6 +148,7 @@ CASES = {
     "clip_accumulate": lambda r, w: compare(r, w, clip=0.05, accumulation=2),
     "mixed": lambda r, w: compare(r, w, mixed=True, clip=0.5),
     "refusals": refusals,
+    "overlap": overlap,
     "save": lambda r, w, o: checkpoint(r, w, o, save=True),
     "resume": lambda r, w, o: checkpoint(r, w, o, save=False),
 }

@@ -42,10 +42,13 @@ def test_fsdp2_and_wrap_equal_fsdp2_with_torch_adamw(tmp_path, world):
     assert any("FSDP2: this rank trains its local shards" in e for e in events)
 
 
-def test_fsdp2_mixed_precision_and_what_does_not_compose(tmp_path):
-    """bf16 parameters in the forward, fp32 reduction and fp32 sharded parameters (the master); and the
-    refusals at wrap(), each with its reason."""
-    (rank0, rank1) = fsdp_testing.run(2, ["mixed", "refusals"], tmp_path)
+def test_fsdp2_mixed_precision_overlap_and_what_does_not_compose(tmp_path):
+    """bf16 parameters in the forward, fp32 reduction and fp32 sharded parameters (the master); host AdamW
+    under way during backward; and the refusals at wrap(), each with its reason."""
+    (rank0, rank1) = fsdp_testing.run(2, ["mixed", "refusals", "overlap"], tmp_path)
+    for rank in (rank0, rank1):
+        assert "failed" not in rank["overlap"], rank["overlap"].get("failed")
+        assert rank["overlap"]["host_updates_before_step"] == rank["overlap"]["sharded"]  # every shard, before step()
     _check_equal(rank0["mixed"])
     _check_equal(rank1["mixed"])
     refused = rank0["refusals"]

@@ -140,9 +140,6 @@ class TrainStreamSession:
             from .distributed.fsdp import ShardedNorm
 
             step_hook = ShardedNorm(shards.group)
-            self.events.add("distributed", f"FSDP2: this rank trains its local shards of {len(shards.pairs)} "
-                                           f"sharded parameters (their gradients reduce-scattered by FSDP2), "
-                                           f"updated at step(); clipping sums the norm over the mesh")
         else:
             step_hook = tsd.setup(slots, device, self.events, enabled=options.distributed,
                                   timeout=options.distributed_timeout, settings={
@@ -157,6 +154,13 @@ class TrainStreamSession:
                 self._bind_streamed_slots(slots)
             for slot in trained:
                 self.engine.activate(slot)
+            if shards is not None:
+                during = shards.overlap(model, self.engine)
+                self.events.add("distributed", f"FSDP2: this rank trains its local shards of {len(shards.pairs)} "
+                                               f"sharded parameters; each group's gradient shards go to host AdamW "
+                                               + ("as FSDP2's reduce-scatter assigns them, during backward" if during
+                                                  else "at step() (this torch's FSDP2 offers no per-group hand-over)")
+                                               + "; clipping sums the norm over the mesh")
             self.guard = ForwardGuard(model, self.engine)
             if self.weights is not None:
                 self.weights.attach()

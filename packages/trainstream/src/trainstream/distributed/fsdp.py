@@ -68,6 +68,7 @@ class ShardProxies:
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (DTensor parameter, proxy)
         self._groups: list[tuple[dict, list]] = []  # (param group, its original params), for restore
         self.group = None  # the mesh's process group (the norm's all-reduce)
+        self._patched: list = []  # FSDP2 parameter groups whose post_backward overlap() wrapped
 
     @classmethod
     def replace_in(cls, optimizer) -> ShardProxies:
@@ -125,8 +126,51 @@ class ShardProxies:
             else:
                 p.grad.zero_()
 
+    def overlap(self, model: torch.nn.Module, engine) -> bool:
+        """Hands each FSDP2 parameter group's gradient shards to the engine as soon as that group's
+        reduce-scatter assigned them, during backward, so host AdamW runs while backward continues. It wraps
+        the groups' ``post_backward`` (FSDP2's own, looked up on the instance at every call); False, and the
+        shards go over at step() instead, where this torch's FSDP2 has no such groups."""
+        groups = []
+        for module in model.modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            groups += list(getattr(state(), "_fsdp_param_groups", None) or []) if callable(state) else []
+        if not groups or not all(callable(getattr(g, "post_backward", None)) for g in groups):
+            return False
+        proxies = {id(p): proxy for p, proxy in self.pairs}
+        for group in groups:
+            original = group.post_backward
+
+            def post_backward(*args, _original=original, _group=group):
+                out = _original(*args)
+                self._arrived(_group, proxies, engine)
+                return out
+
+            group.post_backward = post_backward
+            self._patched.append(group)
+        return True
+
+    @staticmethod
+    def _arrived(group, proxies: dict, engine) -> None:
+        event = getattr(group, "_post_reduce_event", None)
+        if event is not None:  # a GPU: the shards are written on FSDP2's reduce stream
+            torch.cuda.current_stream().wait_event(event)
+        for fsdp_param in group.fsdp_params:
+            p = fsdp_param.sharded_param
+            proxy = proxies.get(id(p))
+            if proxy is None or p.grad is None:
+                continue
+            local = p.grad._local_tensor if is_dtensor(p.grad) else p.grad
+            proxy.grad = local if proxy.grad is None else proxy.grad + local  # accumulation, as autograd sums
+            p.grad = None
+            engine.gradient_ready(proxy)
+
     def restore(self) -> None:
-        """unwrap(): the optimizer's groups hold the DTensor parameters again (invariant 3)."""
+        """unwrap(): the optimizer's groups hold the DTensor parameters again (invariant 3), and FSDP2's
+        groups their own post_backward."""
+        for group in self._patched:
+            group.__dict__.pop("post_backward", None)
+        self._patched = []
         for group, originals in self._groups:
             group["params"] = originals
         self._groups = []
@@ -134,7 +178,11 @@ class ShardProxies:
 
 class ShardedNorm:
     """The engine's step hook under FSDP2: each rank updates its own shards, so the only collective is the
-    global gradient norm for clipping (the sum of squares over the mesh); the state stays per rank."""
+    global gradient norm for clipping (the sum of squares over the mesh); the state stays per rank. Updates
+    start during backward as on one process (``updates_at_step`` False) when ShardProxies.overlap hands the
+    shards over then."""
+
+    updates_at_step = False
 
     def __init__(self, group) -> None:
         self.group = group

@@ -139,9 +139,9 @@ class UpdateEngine(ChannelOwner):
     def _hook_for(self, slot: ParamSlot) -> None:
         """A gradient hook exactly when the slot's updates start during backward: host slots, and mapped
         ones unless ``fused_mapped`` (then they update in step()'s fused launch, as device slots do);
-        never under data parallel."""
+        never under data parallel (a step hook whose ``updates_at_step`` is not False)."""
         at_step = (slot.placement == "device" or (slot.placement == "mapped" and self.fused_mapped)
-                   or self.step_hook is not None)
+                   or (self.step_hook is not None and getattr(self.step_hook, "updates_at_step", True)))
         self.buckets.invalidate()
         if at_step and slot.hook is not None:
             slot.hook.remove()
@@ -166,6 +166,11 @@ class UpdateEngine(ChannelOwner):
             self.events.add("optimizer", f"{slot.label} is trainable now: its optimizer state was created")
 
     # ---- gradients arrive -----------------------------------------------------------
+
+    def gradient_ready(self, param: torch.nn.Parameter) -> None:
+        """A gradient put in ``param.grad`` outside autograd's accumulation (FSDP2's reduce-scatter, handed to
+        the shard's proxy during backward: distributed/fsdp.py) arrives as the post-accumulate hook would."""
+        self._on_grad(param)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.by_param[id(param)]
