@@ -3,10 +3,12 @@
 FSDP2 keeps each parameter as a DTensor sharded on dim 0 over a 1-D mesh; its forward all-gathers from the
 shard's local tensor and its backward reduce-scatters the gradient into the sharded parameter's ``.grad``.
 The engine trains the local shards: each sharded parameter gets a *proxy*, a plain Parameter over the same
-storage as its local tensor, and the optimizer holds the proxies in place of the DTensors. At ``step()``
-the reduce-scattered gradient shards are handed to the proxies (``hand_over_grads``), host AdamW updates
-them like any other gradient, and the new values land in the local tensors FSDP2 all-gathers from next.
-Clipping is global: the engine's sum of squares is summed over the mesh (``ShardedNorm``).
+storage as its local tensor, and the optimizer holds the proxies in place of the DTensors. As each FSDP2
+parameter group's reduce-scatter assigns its gradient shards, during backward, they are handed to the
+proxies and the engine takes them as a post-accumulate hook would (``overlap``); whatever is left is handed
+over at ``step()`` (``hand_over_grads``). Host AdamW updates them like any other gradient, and the new
+values land in the local tensors FSDP2 all-gathers from next. Clipping is global: the engine's sum of
+squares is summed over the mesh (``ShardedNorm``).
 
 Invariants:
   1. A proxy shares storage with its DTensor's local tensor for the whole wrap (FSDP2 re-pads only a
@@ -18,7 +20,7 @@ Invariants:
 
 What does not compose yet is refused by ``check_sharded`` with its reason (HSDP and tensor-parallel
 meshes, unsharded trainable parameters beside sharded ones); streamed or quantized weights are refused by
-the plan (``planning/decide.py``). The updates start at ``step()``, not during backward, for now.
+the plan (``planning/decide.py``).
 """
 
 from __future__ import annotations
