@@ -305,6 +305,26 @@ def _rank_dies(rank, world, out):
     return {"error": None}
 
 
+def _skips_step(rank, world, out):
+    """The last rank skips step() at step 2 (an exception caught around it): every rank's next step()
+    refuses with each rank's step and count of training forwards, at once, instead of pairing steps 2 and 3."""
+    import trainstream
+
+    model = make_model()
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    started = time.monotonic()
+    try:
+        for step in range(4):
+            x, y = local_batch(step, 0, rank, world)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if not (rank == world - 1 and step == 1):
+                optimizer.step()
+            optimizer.zero_grad()
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started, "exit": True}
+    return {"error": None, "exit": True}
+
+
 STALL_S = 15.0  # how long the stalled rank sleeps: far beyond the test's timeout, so a wait on it shows
 
 
@@ -382,6 +402,7 @@ SCENARIOS = {
     "forced_off": _forced_off,
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),
     "mismatch_settings": lambda r, w, o: _mismatch(r, w, o, what="settings"),
+    "skips_step": _skips_step,  # alone: it fails the group
     "rank_dies": _rank_dies,  # last: it ends the process group
     "rank_stalls": _rank_stalls,  # alone: it destroys the process group
     "rank_stalls_option": lambda r, w, o: _rank_stalls(r, w, o, distributed_timeout=1.5),  # alone, as above

@@ -383,3 +383,17 @@ def test_the_collectives_timeout_is_an_option(out):
     for bad in (0, -1.0, float("nan"), True, "60"):
         with pytest.raises(ValueError, match="distributed_timeout"):
             trainstream.plan(make_model(), distributed_timeout=bad)
+
+
+def test_a_rank_that_skips_step_is_refused_naming_each_ranks_step(out):
+    """Before: the skipping rank's next step paired with the others' step after it, with no warning, and the
+    run hung at the end. Now the flags exchange carries the count of training forwards and every rank
+    refuses at once."""
+    (out / "skip").mkdir()
+    runs = run_ranks(2, ["skips_step"], out / "skip", timeout=10.0)
+    for rank in (0, 1):
+        result = runs[rank]["skips_step"]
+        assert result["error"] is not None, rank
+        assert "rank 0 at step 2 after 2 training forwards, rank 1 at step 2 after 3" in result["error"], result["error"]
+        assert "skipped step()" in result["error"]
+        assert result["seconds"] < 10.0  # refused at the exchange, not by a timeout

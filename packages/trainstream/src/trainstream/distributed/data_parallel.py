@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.slots import flat, grad_in_memory_order, shaped
-from .collectives import Comm
+from .collectives import Comm, DistributedError
 from .overlap import EagerReductions
 from .sharding import Bucket, make_buckets
 
@@ -88,11 +88,16 @@ class DataParallel:
         if eager is not None:
             eager.finish()
             problems = eager.problems(trained)
-        flags = torch.tensor([s.param.grad is not None for s in trained] + [problems], dtype=torch.int32,
-                             device=self.comm.device)
+        # The count of training forwards rides along, with its square: their sums are world x n and
+        # world x n^2 on every rank exactly when every rank ran n (equality in Cauchy-Schwarz). A rank that
+        # skipped a step() has run a window's forwards more when its next step pairs with the others'.
+        forwards = engine.training_forwards
+        flags = torch.tensor([s.param.grad is not None for s in trained] + [problems, forwards, forwards ** 2],
+                             dtype=torch.int64, device=self.comm.device)
         if trained or eager is not None:
             self.comm.all_reduce(flags, "the exchange of which parameters have gradients")
-        counts = flags.tolist()
+            self._check_same_step(forwards, int(flags[-2]), int(flags[-1]))
+        counts = flags.tolist()[:-2]
         problems = counts.pop()
         with_grad = [s for s, f in zip(trained, counts) if f > 0]
         self._updated = with_grad
@@ -188,6 +193,20 @@ class DataParallel:
         """zero_grad() (the engine's discard()): the window's gradient count starts again. Local, no collective."""
         if self._eager is not None:
             self._eager.restart_window()
+
+    def _check_same_step(self, forwards: int, total: int, squares: int) -> None:
+        """DistributedError, on every rank alike, when the ranks ran different numbers of training forwards
+        before this step(): one skipped a step() (an exception caught around it, a condition true on one rank
+        only), so its collectives now pair with another step's."""
+        if total == self.world * forwards and squares == self.world * forwards ** 2:
+            return
+        counts = self.comm.all_gather_objects([self.steps, forwards], "the exchange of the ranks' step counts")
+        where = ", ".join(f"rank {r} at step {s + 1} after {f} training forwards" for r, (s, f) in enumerate(counts))
+        why = (f"the ranks' steps do not match ({where}): a rank skipped step() (an exception caught around it, or "
+               f"a condition true on one rank only), so its collectives would pair with another step's. Every "
+               f"rank must run the same forwards and call step() once per window")
+        self.comm._fail(why)
+        raise DistributedError(why)
 
     def close(self) -> None:
         """Unwrap: the reductions in flight waited for and dropped, the hooks removed, the group of a

@@ -81,6 +81,7 @@ class UpdateEngine(ChannelOwner):
         # Data parallel: what trainstream.distributed.setup() built for these slots (None: one process). The
         # caller builds it, so the engine never imports the layer that builds on it.
         self.step_hook = step_hook
+        self.training_forwards = 0  # forwards of the model with gradients on (forward_started)
         self.channel = channel_for(device)
         self.marks = UploadMarks()
         self.host = HostUpdater(self.channel, self.marks, events)
@@ -151,8 +152,10 @@ class UpdateEngine(ChannelOwner):
 
     def forward_started(self) -> None:
         """A forward of the model begins (the root guard): no backward pass is running, so none has a final
-        callback queued (one that raised never ran its own); unfrozen parameters start training."""
+        callback queued (one that raised never ran its own); unfrozen parameters start training. Forwards
+        with gradients on are counted (data parallel compares the counts at each step)."""
         self._after_backward_queued = False
+        self.training_forwards += torch.is_grad_enabled()
         self.activate_unfrozen()
 
     def activate_unfrozen(self) -> None:
