@@ -6,6 +6,7 @@ Sessions:
   package-<name>        one package installed alone with only what it depends on, its own tests
   dists                 sdist of each package, then a wheel built from that sdist alone
   bench-<name>          a benchmark in tools/bench (CPU here; the GPU numbers come from tools/gpu_run.sh)
+  docs                  the documentation site (mkdocs.yml) built with --strict into site/: a broken link fails
   nf4_bitsandbytes      ts-quant's NF4 bytes against bitsandbytes 0.50 on the CPU (not in ci: a 43 MB download)
 """
 
@@ -33,6 +34,9 @@ TORCH = os.environ.get("TS_TORCH_SPEC", "torch==2.13.0")
 BUILD_DEPS = ["scikit-build-core>=0.11", "nanobind>=2.4", "cmake>=3.26", "ninja"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 HF_DEPS = ["transformers>=4.56", "peft>=0.13", "trl>=1.16,<2"]  # trl brings datasets and accelerate
+# Exact pins: a new theme or handler release must not turn CI red on its own (docs/development.md says why these).
+DOCS_DEPS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11",
+             "griffelib==2.4.1"]
 
 
 def _install_packages(session: nox.Session, names: list[str]) -> None:
@@ -96,6 +100,30 @@ def dists(session: nox.Session) -> None:
             session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
                         str(source), env={"TS_ENABLE_CUDA": os.environ.get("TS_ENABLE_CUDA", "OFF")})
     session.log("built: " + ", ".join(p.name for p in sorted(out.iterdir())))
+
+
+@nox.session(tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """mkdocs build --strict into site/: every warning (a broken link or anchor, a name mkdocstrings cannot read)
+    fails. mkdocstrings imports the packages (their native cores too), so they must be installed: this reuses
+    what the `tests` session built and installed (it runs first in `nox -t ci`) by putting that venv's
+    site-packages behind this one's; without it, it builds them here (CUDA off, a build folder of its own)."""
+    session.install(*DOCS_DEPS)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    here = pathlib.Path(session.run("python", "-c", purelib, silent=True).strip())
+    tests = pathlib.Path(session.virtualenv.location).parent / "tests" / here.relative_to(session.virtualenv.location)
+    link = here / "trainstream-tests-venv.pth"
+    link.unlink(missing_ok=True)
+    if (tests / "trainstream").is_dir():
+        link.write_text(f"{tests}\n")
+        session.log(f"the packages, torch and numpy: from the tests session ({tests})")
+    else:
+        session.install(TORCH, "numpy", *BUILD_DEPS)
+        session.install("--no-build-isolation", "--no-deps", "--config-settings=build-dir=build/docs-{wheel_tag}",
+                        *[str(ROOT / "packages" / n) for n in PACKAGES], env={"TS_ENABLE_CUDA": "OFF"})
+    session.run("python", "-c", f"import {', '.join(p.replace('-', '_') for p in PACKAGES)}")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), *session.posargs,
+                env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

@@ -108,6 +108,23 @@ def test_quantize_model_block_size_and_pin_budget():
             trainstream.quantize_model(_frozen_llama(), "int8", pin_budget=bad)
 
 
+def test_the_rates_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    """Beside ts-planner's cache: TRAINSTREAM_CACHE_DIR, else $XDG_CACHE_HOME/trainstream, else ~/.cache."""
+    import types
+
+    from trainstream._hardware import _cache_file
+
+    base = types.SimpleNamespace(gpu=None, host_cores=4, host_ram_bytes=8 << 30)
+    monkeypatch.delenv("TRAINSTREAM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _cache_file(base, True, None).parent == tmp_path / "xdg" / "trainstream"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _cache_file(base, True, None).parent == tmp_path / "home" / ".cache" / "trainstream"
+    monkeypatch.setenv("TRAINSTREAM_CACHE_DIR", str(tmp_path / "own"))
+    assert _cache_file(base, True, None).parent == tmp_path / "own"
+
+
 # ---- Hugging Face: decoder_layers, TrainStreamCallback, TrainStreamTrainer keys ---------------------
 
 
@@ -168,11 +185,37 @@ def test_callback_logs_trainstream_metrics_with_a_stock_trainer(tmp_path, capsys
             assert entry["trainstream/grad_norm"] > 0
         else:
             assert entry["trainstream/host_update_s"] > 0
-    assert "trainstream/step_s=" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # Printed once per log, in the Trainer's own line (before: also on a line of the callback's own).
+    assert out.count("trainstream/step_s") == out.count("'loss'") + out.count("'train_runtime'") > 0, out
     if attach:
         trainstream.unwrap(model)
     with pytest.raises(ValueError, match="OffloadAdamW"):
         TrainStreamCallback(torch.optim.AdamW(tiny_llama().parameters()))
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+@pytest.mark.parametrize("given", ["callbacks", "add_callback"])
+def test_callback_metrics_are_printed_once_on_their_own_line(tmp_path, capsys, disable_tqdm, given):
+    """Given to the Trainer, the metrics are in the Trainer's log line; added afterwards, that line was printed
+    before they existed and the callback prints them, on a line of their own (before: glued to the bar)."""
+    from trainstream.integrations.huggingface import TrainStreamCallback
+    from transformers import Trainer
+
+    model = tiny_llama()
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=2e-3)
+    callback = TrainStreamCallback(opt)
+    trainer = Trainer(model=model, args=_args(tmp_path, disable_tqdm=disable_tqdm), train_dataset=_Rows(),
+                      optimizers=(opt, None), callbacks=[callback] if given == "callbacks" else None)
+    if given == "add_callback":
+        trainer.add_callback(callback)
+    trainer.train()
+    printed = capsys.readouterr()
+    shown = [line.split("\r")[-1] for line in (printed.out + printed.err).split("\n")]
+    metric_lines = [line for line in shown if "trainstream/step_s" in line]
+    assert len(metric_lines) == 3  # two log steps and the end of training, each once
+    own = [line for line in metric_lines if line.startswith("trainstream/step_s=")]
+    assert len(own) == (3 if given == "add_callback" else 0), metric_lines
 
 
 def test_trainer_keys_are_checked_up_front_and_used(tmp_path, monkeypatch):

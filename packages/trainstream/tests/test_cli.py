@@ -17,11 +17,11 @@ def test_default_run_trains_and_reports(tmp_path, capsys):
     out = tmp_path / "run.json"
     assert cli.main(["--steps", "12", "--json", str(out)]) == 0
     printed = capsys.readouterr()
-    assert "optimizer_mode='cpu'" in printed.out  # the plan is printed before training
-    assert "memory report" in printed.out
+    assert "trainstream optimizer: optimizer_mode='cpu'" in printed.err  # the plan's events, before training
+    assert "done: loss" in printed.out and "memory report" in printed.out
     assert "  optimizer state   host " in printed.out
     assert '"pinned"' not in printed.out and len(printed.out.splitlines()) < 40  # a summary, not the JSON report
-    assert "step   12/12" in printed.err  # the progress bar reached the end
+    assert "12/12 [" in printed.err  # the progress bar reached the end
     result = json.loads(out.read_text())
     assert len(result["losses"]) == 12
     assert result["losses"][-1] < result["losses"][0]
@@ -63,8 +63,11 @@ def _refused(argv, capsys, monkeypatch):
     (["--lr", "fast"], "argument --lr: takes a finite number > 0, not 'fast'"),
     (["--max-grad-norm", "-1"], "argument --max-grad-norm: must be a finite number > 0, not -1"),
     (["--max-grad-norm", "0"], "argument --max-grad-norm: must be a finite number > 0"),
-    (["--vram-gb", "-5"], "argument --vram-gb: must be a number of GB in (0, 1e6], not -5"),
-    (["--vram-gb", "1e300"], "argument --vram-gb: must be a number of GB in (0, 1e6], not 1e300"),
+    (["--vram-gb", "-5"], "argument --vram-gb: takes a size in (0, 1e6] GiB: a number of GiB (24, 22.35) or one "
+                          "with its unit (24GiB, 24GB), not '-5'"),
+    (["--vram-gb", "1e300"], "argument --vram-gb: takes a size in (0, 1e6] GiB"),
+    (["--vram-gb", "0"], "argument --vram-gb: takes a size in (0, 1e6] GiB"),
+    (["--vram-gb", "24 XB"], "argument --vram-gb: takes a size in (0, 1e6] GiB"),
     (["--device", "tpu"], "argument --device: takes cpu, cuda or cuda:N, not 'tpu'"),
     (["--device", "cpu:0"], "argument --device: takes cpu, cuda or cuda:N"),
     (["--device", "cuda:x"], "argument --device: takes cpu, cuda or cuda:N"),
@@ -165,7 +168,7 @@ def test_ctrl_c_is_one_line_and_exit_code_130():
     try:
         seen = ""
         deadline = time.monotonic() + 120
-        while "step" not in seen and time.monotonic() < deadline:  # training has started
+        while "/100000 [" not in seen and time.monotonic() < deadline:  # training has started (the bar)
             seen += run.stderr.read(1)
         run.send_signal(signal.SIGINT)
         err = seen + run.communicate(timeout=60)[1]

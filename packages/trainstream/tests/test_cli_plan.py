@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from trainstream import cli
+from trainstream._plan_cli import plan_parser
 
 # Qwen2.5's published config.json fields (the part the planner reads), bundled so no test needs the Hub.
 QWEN25 = {
@@ -64,7 +65,7 @@ def test_plans_for_the_qwen_shapes(config_dir, capsys, size, train, fits):
     assert plan["resident_blocks"] + plan["streamed_blocks"] == QWEN25[size]["num_hidden_layers"]
     assert sum(plan["activations"].values()) == QWEN25[size]["num_hidden_layers"]
     if fits:
-        assert plan["peak_vram_bytes"] <= plan["budget"]["usable_vram_bytes"] <= 24e9
+        assert plan["peak_vram_bytes"] <= plan["budget"]["usable_vram_bytes"] <= 24 * 2**30  # --vram-gb 24: GiB
         assert plan["host_bytes"] <= 128e9
     else:
         assert plan["reason"].startswith("no plan fits") and "host RAM" in plan["reason"]
@@ -138,7 +139,8 @@ def test_local_ranks_split_the_ram_and_share_the_streamed_copy(capsys, monkeypat
     (["--size", "7b", "--full", "--quantize", "nf4", "--vram-gb", "24"], "full fine-tuning trains them all"),
     (["--size", "7b", "--batch", "0", "--vram-gb", "24"], "--batch"),
     (["--size", "7b", "--vram-gb", "-3"], "--vram-gb"),
-    (["--size", "7b", "--vram-gb", "24", "--host-gb", "1e300"], "must be a number of GB in (0, 1e6]"),
+    (["--size", "7b", "--vram-gb", "24", "--host-gb", "1e300"], "argument --host-gb/--ram-gb: takes a size in (0, 1e6] GiB"),
+    (["--size", "7b", "--vram-gb", "24 XB"], "argument --vram-gb: takes a size in (0, 1e6] GiB"),
     (["--size", "7b", "--streamed-blocks", "99", "--vram-gb", "24"], "streamed_blocks=99"),
     (["no/such-model-offline", "--vram-gb", "24"], "cannot load the config of 'no/such-model-offline'"),
 ])
@@ -204,7 +206,7 @@ def test_flags_and_decisions_use_the_configuration_s_names(capsys):
     from trainstream import _config
 
     options = set(_config.GROUP_OF) | {"loss_chunk_size"}  # TrainStreamTrainer's own option
-    for action in cli._plan_parser()._actions:
+    for action in plan_parser()._actions:
         flags = [f for f in action.option_strings if f.startswith("--")]
         if not flags or action.help == argparse.SUPPRESS or flags[0] in RUN_FLAGS:
             continue
@@ -234,3 +236,26 @@ def test_world_size_prices_one_rank_s_share_of_the_host_state(capsys):
     assert state[1] / 128 < state[128] < state[1] / 16  # the output layer's owner: 6.7x the average
     code, out = _run(["--size", "14b", "--full", "--vram-gb", "24", "--host-gb", "64", "--world-size", "64"], capsys)
     assert code == 0, out  # a 14B full fine-tune's state fits 64 GB per rank when 64 ranks split it
+
+
+@pytest.mark.parametrize("spelling", [["24"], ["24GiB"], ["24 gib"], ["24G"], [f"{24 * 2**30 / 1e9!r}GB"]])
+def test_vram_and_host_sizes_are_gib_as_printed_or_carry_their_unit(spelling, capsys):
+    """A bare --vram-gb / --host-gb is GiB, the unit every line of the plan prints (before: 10**9-byte GB, so a
+    24 GB card was planned as 22.35 GiB); 24GB still says 24 * 10**9 bytes."""
+    plain = json.loads(_run(["--size", "7b", "--lora", "16", "--vram-gb", "24", "--host-gb", "64", "--json"],
+                            capsys)[1])
+    given = json.loads(_run(["--size", "7b", "--lora", "16", "--vram-gb", *spelling, "--host-gb", "64GiB", "--json"],
+                            capsys)[1])
+    assert given["budget"] == plain["budget"]
+    _code, out = _run(["--size", "7b", "--lora", "16", "--vram-gb", *spelling, "--host-gb", "64"], capsys)
+    assert "budget: 24.00 GiB VRAM, 64.00 GiB host RAM" in out.splitlines()[0]
+    decimal = json.loads(_run(["--size", "7b", "--lora", "16", "--vram-gb", "24GB", "--host-gb", "64GB", "--json"],
+                              capsys)[1])
+    assert decimal["budget"]["host_bytes"] == 64 * 10**9 and plain["budget"]["host_bytes"] == 64 * 2**30
+    _code, out = _run(["--size", "7b", "--lora", "16", "--vram-gb", "24GB", "--host-gb", "64GB"], capsys)
+    assert "budget: 22.35 GiB VRAM, 59.60 GiB host RAM" in out.splitlines()[0]
+
+
+def test_the_help_says_gib():
+    text = plan_parser().format_help()
+    assert "--vram-gb SIZE" in text and "10**9" in text and "GiB" in text

@@ -27,7 +27,7 @@ class _Recorder:
 def test_a_forward_waits_on_the_upload_of_the_update_it_waited_for(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    model, opt = trainstream.wrap(model, lr=1e-2, guard_params=False, optimizer_mode="cpu", offload=True)
+    model, _opt = trainstream.wrap(model, lr=1e-2, guard_params=False, optimizer_mode="cpu", offload=True)
     try:
         engine = model._trainstream_session.engine
         slot = engine.slots[0]

@@ -61,7 +61,7 @@ def test_full_7b_in_too_little_host_ram_is_refused_with_the_numbers_and_what_fit
     state = ts_planner.estimate_memory(f.shape, ts_planner.Options(seq=1, moment_dtype="bfloat16"))
     need = f"{state.host_bytes / GiB:.1f}"
     short = f"{(state.host_bytes - b.host_bytes) / GiB:.1f}"
-    assert f"needs {need} GiB of host RAM, 64.0 available ({short} short" in plan.message
+    assert f"needs {need} GiB of host RAM, 64.0 GiB available ({short} GiB short" in plan.message
     assert "optimizer state" in plan.message
     # bf16 moments were tried ("auto"): only LoRA is left, and LoRA does fit in 64 GiB.
     assert "use LoRA adapters" in plan.message and "moment_dtype" not in plan.message.split("use ")[-1]
@@ -74,7 +74,7 @@ def test_fp32_moments_asked_for_are_refused_with_bf16_moments_as_the_fix():
     b = budget(80, (fp32 + bf16) / 2 / GiB, pin=1.0)
     plan = plan_wrap(f, b, moment_dtype="float32")
     assert not plan.fits and "use moment_dtype='bf16'" in plan.message
-    assert f"needs {fp32 / GiB:.1f} GiB of host RAM, {b.host_bytes / GiB:.1f} available" in plan.message
+    assert f"needs {fp32 / GiB:.1f} GiB of host RAM, {b.host_bytes / GiB:.1f} GiB available" in plan.message
     assert plan_wrap(f, b).fits  # "auto" finds bf16 itself
 
 
@@ -82,7 +82,7 @@ def test_lora_14b_bf16_without_quantization_in_24_gb_is_refused_naming_nf4_and_s
     f, b = facts("14b", "lora"), budget(24e9 / GiB, 200)
     plan = plan_wrap(f, b, quantize=None)
     assert not plan.fits
-    m = re.search(r"needs ([\d.]+) GiB of VRAM, ([\d.]+) available \(([\d.]+) short; the largest part: frozen "
+    m = re.search(r"needs ([\d.]+) GiB of VRAM, ([\d.]+) GiB available \(([\d.]+) GiB short; the largest part: frozen "
                   r"weights ([\d.]+) GiB\)", plan.message)
     assert m, plan.message
     state = ts_planner.estimate_memory(f.shape, ts_planner.Options(train="lora", seq=1, recompute=48))
@@ -135,7 +135,7 @@ def test_wrap_refuses_host_ram_on_the_cpu_and_changes_nothing(monkeypatch):
 def test_wrap_refuses_vram_with_a_monkeypatched_budget(monkeypatch):
     model = tiny_llama()
     patch_budget(monkeypatch, vram_bytes=64 << 10)
-    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of VRAM, [\d.]+ available .*the largest part"):
+    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of VRAM, [\d.]+ GiB available .*the largest part"):
         trainstream.wrap(model)
     assert getattr(model, "_trainstream_session", None) is None
 

@@ -46,6 +46,19 @@ def test_profile_is_cached_and_reloaded(tmp_path, monkeypatch):
     assert ts_planner.profile_hardware(force=True).host_copy_gbps != 123.0
 
 
+def test_the_cache_folder_follows_xdg_cache_home(tmp_path, monkeypatch):
+    from ts_planner._profile import _cache_root
+
+    monkeypatch.delenv("TRAINSTREAM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _cache_root() == tmp_path / "xdg" / "trainstream"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the spec: only an absolute path counts
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _cache_root() == tmp_path / "home" / ".cache" / "trainstream"
+    monkeypatch.setenv("TRAINSTREAM_CACHE_DIR", str(tmp_path / "own"))  # the explicit folder wins
+    assert _cache_root() == tmp_path / "own"
+
+
 def test_a_corrupt_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_CACHE_DIR", str(tmp_path))
     ts_planner.profile_hardware()

@@ -17,6 +17,8 @@ import weakref
 import torch
 import ts_pinned
 
+from ._units import fmt_bytes
+
 _sessions: weakref.WeakSet = weakref.WeakSet()  # every session not yet freed, closed or not
 MIN_HELD_BYTES = 1 << 30  # what the earlier sessions' models and host state must reach to be worth a collection
 
@@ -41,7 +43,7 @@ def collect_dropped(device: torch.device) -> str | None:
     vram_freed = vram - torch.cuda.memory_allocated(device) if on_gpu else 0
     host_freed = host - ts_pinned.default_arena().stats()["arena_used"]
     return (f"{freed} earlier wrapped model(s) no longer referenced but not unwrap()ped were freed before "
-            f"planning ({vram_freed / 2**30:.2f} GiB of VRAM, {host_freed / 2**30:.2f} GiB of host "
+            f"planning ({fmt_bytes(vram_freed)} of VRAM, {fmt_bytes(host_freed)} of host "
             f"optimizer state); unwrap() frees a model's session at once")
 
 

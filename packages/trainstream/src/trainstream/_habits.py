@@ -7,7 +7,7 @@ run would train unclipped without a word. The engine clips with the global norm 
 given ``max_grad_norm``. So ``install()`` (at every ``wrap()``) puts a checking front on torch's two
 functions: given a parameter that a live session trains, they raise with that fix; for every other
 parameter they are torch's own. Code that imported the functions by name before the first ``wrap()`` keeps
-torch's originals and is not checked (README, "Rules").
+torch's originals and is not checked (docs/guarantees.md, "Using a wrapped model").
 """
 
 from __future__ import annotations

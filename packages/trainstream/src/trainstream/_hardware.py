@@ -64,7 +64,10 @@ def _matmul_tflops(device: torch.device, n: int, repeats: int = 5) -> float:
 
 
 def _cache_file(base: ts_planner.HardwareProfile, quick: bool, threads: int | None) -> pathlib.Path:
-    root = pathlib.Path(os.environ.get("TRAINSTREAM_CACHE_DIR", pathlib.Path.home() / ".cache" / "trainstream"))
+    # ts-planner's cache folder: TRAINSTREAM_CACHE_DIR, else $XDG_CACHE_HOME/trainstream, else ~/.cache/trainstream
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    root = pathlib.Path(os.environ.get("TRAINSTREAM_CACHE_DIR") or (
+        (pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache") / "trainstream"))
     parts = [base.gpu or "cpu", base.host_cores, base.host_ram_bytes >> 30, "q" if quick else "f", f"t{threads or 0}"]
     key = "".join(c if c.isalnum() or c in "-_" else "_" for c in "-".join(map(str, parts)))
     return root / f"trainstream-rates-{key}.json"
@@ -77,7 +80,8 @@ def profile_hardware(device: torch.device | int | str | None = None, quick: bool
     ``device``: the GPU to measure (default the current one). ``quick``: 64 MiB transfers, 4 M-value
     AdamW and 4096-square matmuls instead of 512 MiB, 32 M and 8192. ``threads``: host threads for
     the host copy and AdamW probes (None: the whole host pool). Cached in ``TRAINSTREAM_CACHE_DIR``
-    (default ``~/.cache/trainstream``) per GPU, cores, RAM, ``quick`` and ``threads``.
+    (default ``$XDG_CACHE_HOME/trainstream``, else ``~/.cache/trainstream``) per GPU, cores, RAM, ``quick`` and
+    ``threads``.
     """
     if device is not None and not isinstance(device, (int, str, torch.device)):
         raise ValueError(f"device={device!r} is not valid; use None, a GPU index, 'cuda:N' or a torch.device")

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from ._units import fmt_seconds
+
 __all__ = ["plot_memory"]
 
 GiB = float(1 << 30)
@@ -66,7 +68,7 @@ def plot_memory(model: torch.nn.Module, path: str | os.PathLike) -> str:
     tokens = plan.get("tokens") or {}
     ax_plan.set_title(f"plan at {tokens.get('batch', '?')} x {tokens.get('seq', '?')} tokens: "
                       f"{'fits' if plan.get('fits') else 'refused / tries'}; quantize={plan.get('quantize') or 'none'}"
-                      + (f"\nlower bound {bound['total'] * 1e3:.1f} ms/step" if bound.get("total") else ""),
+                      + (f"\nlower bound {fmt_seconds(bound['total'])}/step" if bound.get("total") else ""),
                       fontsize=9)
     handles, labels = ax_plan.get_legend_handles_labels()
     unique = dict(zip(labels, handles))

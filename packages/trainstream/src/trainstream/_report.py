@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import ts_pinned
 
+from ._units import fmt_bytes
 from .distributed import report as distributed_report
 from .engine import transfer_stats
 
@@ -117,20 +118,20 @@ def summary_lines(report: dict) -> list[str]:
     """A few lines of a wrapped model's ``memory_report()`` for a console: where the optimizer state is, what
     streams, the peaks, and the plan's automatic decisions (the whole report is the JSON)."""
     optimizer = report["optimizer"]
-    places = ", ".join(f"{place} {p['values'] / 1e6:.1f} M values ({p['state_bytes'] / 2**30:.2f} GiB)"
+    places = ", ".join(f"{place} {p['values'] / 1e6:.1f} M values ({fmt_bytes(p['state_bytes'])})"
                        for place, p in optimizer["placements"].items()) or "nothing trained"
     lines = [f"optimizer state   {places}; {optimizer['moment_dtype']} moments; {optimizer['steps']} steps"]
     params = report["params"]
     if params.get("paged_blocks"):
         lines.append(f"streamed weights  blocks {params['paged_blocks']} from host memory, "
-                     f"{params['load_bytes'] / 2**30:.2f} GiB per step")
+                     f"{fmt_bytes(params['load_bytes'])} per step")
     if params.get("quantize"):
         lines.append(f"quantized         {params['quantize']}: {len(params['quantized_blocks'])} blocks")
     gpu = report["gpu"]
     if gpu and gpu["peak_allocated"]:  # on the CPU: nothing to say
-        lines.append(f"GPU memory        peak {gpu['peak_allocated'] / 2**30:.2f} GiB allocated")
+        lines.append(f"GPU memory        peak {fmt_bytes(gpu['peak_allocated'])} allocated")
     pinned = report["pinned"]
-    lines.append(f"host memory       {pinned.get('arena_used', 0) / 2**30:.2f} GiB in trainstream's host arena")
+    lines.append(f"host memory       {fmt_bytes(pinned.get('arena_used', 0))} in trainstream's host arena")
     plan = report.get("plan") or {}
     decided = ", ".join(f"{d['option']}={d['value']!r}" for d in plan.get("decisions", []))
     if decided:

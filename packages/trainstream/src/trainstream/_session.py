@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -15,6 +16,7 @@ from ._events import EventLog
 from ._options import WrapOptions
 from ._schedule import ATTENTION_AGREE_STEPS, StepFacts, due
 from ._stalls import StallClock
+from ._units import fmt_bytes, fmt_rate, fmt_seconds
 from ._weak import weakly
 from .activations.policy import ActivationPolicy
 from .attention import AttentionChooser, resolve_wrap_default
@@ -43,9 +45,9 @@ def _reserve_with_progress(arena: ts_pinned.PinnedArena, total: int, verbose: bo
     while done < target:
         done = arena.reserve(min(target, done + step))
         if show:
-            rate = done / max(time.perf_counter() - started, 1e-9) / GiB
-            sys.stderr.write(f"\rtrainstream: page-locking host memory {done / GiB:6.1f} / {target / GiB:.1f} GiB "
-                             f"({rate:.1f} GiB/s)")
+            rate = done / max(time.perf_counter() - started, 1e-9)
+            sys.stderr.write(f"\rtrainstream: page-locking host memory {fmt_bytes(done, 'GiB', 1):>9} / "
+                             f"{fmt_bytes(target, 'GiB', 1)} ({fmt_rate(rate, 'GiB', 1)})")
             sys.stderr.flush()
     if show:
         sys.stderr.write("\n")
@@ -121,9 +123,9 @@ class TrainStreamSession:
         slack = 1024 * len(own) * 5
         _reserve_with_progress(self.arena, self.host_state_bytes + slack, options.verbose)
         pinned = self.arena.stats()["pinned"]
-        self.events.add("memory", f"reserved {self.host_state_bytes / GiB:.2f} GiB of "
-                                  f"{'page-locked' if pinned else 'pageable'} host memory for the optimizer state"
-                                  + ("" if pinned else " (no GPU driver)")
+        kind = "" if device.type != "cuda" else "page-locked " if pinned else "pageable "  # a GPU's distinction
+        self.events.add("memory", f"reserved {fmt_bytes(self.host_state_bytes)} of {kind}host memory for the "
+                                  f"optimizer state" + ("" if pinned or device.type != "cuda" else " (no GPU driver)")
                                   + ("" if own is trained else f" ({len(own)} of {len(trained)} trained parameters "
                                                                f"are this rank's)"))
         if options.threads is not None and not ts_adamw.set_host_threads(options.threads):
@@ -199,7 +201,8 @@ class TrainStreamSession:
                     else "step() returns once the updates are applied")
         self.events.add("optimizer", f"guard_params={options.guard_params}: " + (
             f"reads of a weight after step() see its update ({ordering})" if options.guard_params else
-            "reads after step() outside a forward may see the previous weight until synchronize()"))
+            "reads after step() outside a forward may see the previous weight until synchronize()"),
+            level=None if on_gpu else logging.DEBUG)  # on the CPU step() returns with the weights updated
         self.adapting = on_gpu and (options.offload == "auto" or mode == "auto")
         if not on_gpu and (options.offload == "auto" or mode == "auto"):
             self.events.add("plan", "no CUDA device: the optimizer stays on host threads")
@@ -230,9 +233,9 @@ class TrainStreamSession:
                        if p.requires_grad and id(p) not in streams)
         moving = len(w.trained_blocks)
         return (f"param_offload: the weights of {len(w.streamed)} of {len(w.blocks)} blocks "
-                f"({w.host_bytes() / GiB:.2f} GiB) live in host memory and stream to the GPU, at most "
+                f"({fmt_bytes(w.host_bytes())}) live in host memory and stream to the GPU, at most "
                 f"{w.capacity} blocks resident ({w.prefetch_depth} fetched ahead)"
-                + (f"; the trained weights of {moving} of them ({w.trained_bytes() / GiB:.2f} GiB) stream too: "
+                + (f"; the trained weights of {moving} of them ({fmt_bytes(w.trained_bytes())}) stream too: "
                    f"their AdamW state stays on host threads, each update is written into the host copy the "
                    f"block's next fetch carries" if moving else "")
                 + (f"; {resident} trained parameters in those blocks (small beside the frozen weights) stay in VRAM"
@@ -377,8 +380,8 @@ class TrainStreamSession:
         if self.config.offload == "auto" and need <= room:
             self.engine.place(movable, "device")
             self._state_moved_to_vram(need)
-            message = (f"offload='auto': the optimizer state ({need / GiB:.2f} GiB) fits beside the measured peak "
-                       f"({peak / GiB:.2f} GiB of a {budget / GiB:.2f} GiB budget): AdamW now runs on the GPU with "
+            message = (f"offload='auto': the optimizer state ({fmt_bytes(need)}) fits beside the measured peak "
+                       f"({fmt_bytes(peak)} of a {fmt_bytes(budget)} budget): AdamW now runs on the GPU with "
                        f"fp32 master weights, as stock fused AdamW would")
             self.events.add("switch", message)
         elif self.config.optimizer_mode == "auto" and room > 0:
@@ -394,13 +397,13 @@ class TrainStreamSession:
                 self._state_moved_to_vram(used)
             share = sum(s.numel for s in chosen) / max(1, sum(s.numel for s in self.engine.active))
             message = (f"optimizer_mode='auto': {len(chosen)} of {len(movable)} parameters ({share:.0%} of the "
-                       f"values, {used / GiB:.2f} GiB) moved their state to VRAM left free by the measured peak "
-                       f"({peak / GiB:.2f} GiB of {budget / GiB:.2f} GiB); their updates run on the GPU, the rest on "
+                       f"values, {fmt_bytes(used)}) moved their state to VRAM left free by the measured peak "
+                       f"({fmt_bytes(peak)} of {fmt_bytes(budget)}); their updates run on the GPU, the rest on "
                        f"host threads")
             self.events.add("switch", message)
         else:
-            message = (f"the optimizer state ({need / GiB:.2f} GiB) does not fit in the VRAM left after the measured "
-                       f"peak ({max(room, 0) / GiB:.2f} GiB): it stays in host memory")
+            message = (f"the optimizer state ({fmt_bytes(need)}) does not fit in the VRAM left after the measured "
+                       f"peak ({fmt_bytes(max(room, 0))}): it stays in host memory")
             self.events.add("plan", message)
             if self._start_mapped_trial(room):
                 message += "; a trial of CUDA AdamW over mapped host memory starts"
@@ -424,7 +427,7 @@ class TrainStreamSession:
             return False
         self.trial = MappedTrial()
         self.events.add("plan", f"offload='auto': trying CUDA AdamW over mapped host memory against host AdamW "
-                                f"for {len(host)} tensors: no gradient hooks, the {grads / GiB:.2f} GiB of gradients "
+                                f"for {len(host)} tensors: no gradient hooks, the {fmt_bytes(grads)} of gradients "
                                 f"wait in VRAM until step() and the state crosses the link there; "
                                 f"{self.trial.steps} steps each, the faster stays")
         return True
@@ -433,7 +436,7 @@ class TrainStreamSession:
         trial = self.trial
         action = trial.record(period)
         if action is None:
-            return f"the mapped-AdamW trial timed a step ({period * 1e3:.1f} ms)", []
+            return f"the mapped-AdamW trial timed a step ({fmt_seconds(period)})", []
         before = self._placements()
         wanted = "mapped" if action == "switch" else "host"
         slots = [s for s in self.engine.active if s.placement in ("host", "mapped") and not s.streamed]
@@ -465,7 +468,7 @@ class TrainStreamSession:
             table.remove()
             self.events.add("memory", f"host_embedding: the input embedding stays in VRAM: {error}")
             return
-        self.events.add("memory", f"host_embedding: the input embedding ({table.nbytes / GiB:.2f} GiB, frozen) lives in "
+        self.events.add("memory", f"host_embedding: the input embedding ({fmt_bytes(table.nbytes)}, frozen) lives in "
                                   f"page-locked host memory; each lookup reads its rows over the link "
                                   f"({table.weight.shape[1] * table.weight.element_size()} bytes a token)")
 
@@ -479,7 +482,7 @@ class TrainStreamSession:
         weights.remove(to_device=fits)
         if not fits:
             import warnings
-            warnings.warn(f"trainstream: the streamed weights ({weights.host_bytes() / GiB:.2f} GiB) do not fit in the "
+            warnings.warn(f"trainstream: the streamed weights ({fmt_bytes(weights.host_bytes())}) do not fit in the "
                           f"free VRAM; they stay on the CPU after unwrap()", stacklevel=3)
 
     def close(self) -> None:

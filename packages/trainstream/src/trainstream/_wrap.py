@@ -12,6 +12,7 @@ from ._config import Config
 from ._convert import to_offload_adamw
 from ._optimizer import OffloadAdamW, _checked_entry
 from ._session import TrainStreamSession
+from ._units import fmt_bytes
 from .distributed import check_options
 from .distributed.composition import check_composable
 from .distributed.fsdp import ShardProxies, sharded_by_fsdp2
@@ -124,8 +125,8 @@ def _apply(model: torch.nn.Module, optimizer, plan: Plan):
             session.events.add("quantize", plan.decision("quantize").reason)
         if quantized:
             session.events.add("quantize", f"{quantized['tensors']} frozen linear weights of the blocks stored as "
-                                           f"{fmt}: {quantized['bytes_before'] / 2**30:.2f} GiB -> "
-                                           f"{quantized['bytes_after'] / 2**30:.2f} GiB")
+                                           f"{fmt}: {fmt_bytes(quantized['bytes_before'])} -> "
+                                           f"{fmt_bytes(quantized['bytes_after'])}")
         if carried:
             _migrate_state(session, carried)
         converted._session = session

@@ -11,95 +11,28 @@ config alone (see `trainstream plan --help`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
-__all__ = ["PLAN_SIZES", "SIZES", "SMOLLM2_INSTALL", "build_model", "demo_text_split", "load_gguf", "main", "plan_main",
-           "smollm2_gguf"]
+from ._cli_common import DEMO_CONTEXT, SIZE_HELP, SIZES, build_model, size_in_gib
+from ._cli_common import device as _device
+from ._cli_common import json_path as _json_path
+from ._cli_common import positive_float as _positive_float
+from ._cli_common import positive_int as _positive_int
+from ._cli_common import seed as _seed
+from ._plan_cli import PLAN_EXIT_REFUSED, PLAN_SIZES, plan_main
+from ._units import fmt_bytes, fmt_seconds
 
-DEMO_CONTEXT = 4096  # the built-in decoders' max_position_embeddings
-# Random-init Qwen2-style decoders; the 0.5b and 1.5b rows use Qwen2.5's published shapes.
-SIZES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=384, vocab_size=256),
-    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                  intermediate_size=1536, vocab_size=256),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936),
-}
-
-
-def build_model(size: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """A random-init Qwen2 causal LM of one of SIZES (needs `transformers`)."""
-    try:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-    except ImportError:
-        raise SystemExit("the demo model needs transformers: pip install 'trainstream[hf]'") from None
-    torch.manual_seed(seed)
-    config = Qwen2Config(**SIZES[size], max_position_embeddings=DEMO_CONTEXT, tie_word_embeddings=size != "1.5b",
-                         attn_implementation="sdpa")
-    return Qwen2ForCausalLM(config).to(dtype)
-
-
-# argparse `type=` validators: a bad value becomes "argument --X: <message>", exit code 2, before any work.
-def _number(convert, accept, valid: str):
-    """An argparse type: `convert` the text, then `accept` the value, else the message names `valid`."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"takes {valid}, not {text!r}") from None
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"must be {valid}, not {text}")
-        return value
-
-    return parse
-
-
-_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
-_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-_gigabytes = _number(float, lambda v: math.isfinite(v) and 0 < v <= 1e6, "a number of GB in (0, 1e6]")
-_seed = _number(int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
-
-
-def _device(text: str) -> torch.device:
-    kind, colon, index = text.partition(":")
-    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
-        raise argparse.ArgumentTypeError(f"takes cpu, cuda or cuda:N, not {text!r}")
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise argparse.ArgumentTypeError(f"{text}: torch {torch.__version__} sees no GPU; use cpu")
-        if colon and int(index) >= count:
-            raise argparse.ArgumentTypeError(f"{text}: this machine has cuda:0..cuda:{count - 1}")
-    return torch.device(text)
-
-
-def _json_path(text: str) -> str:
-    """A file the run can write at the end, checked now without creating or truncating anything."""
-    path = os.path.abspath(os.path.expanduser(text))
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist")
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):  # append: an existing file keeps its contents
-            pass
-    except OSError as error:
-        raise argparse.ArgumentTypeError(f"{text} cannot be written ({error.strerror})") from None
-    if not existed:
-        os.unlink(path)  # leave no stray file if the run fails before the end
-    return path
+__all__ = ["PLAN_EXIT_REFUSED", "PLAN_SIZES", "SIZES", "SMOLLM2_INSTALL", "build_model", "demo_text_split", "load_gguf",
+           "main", "plan_main", "smollm2_gguf"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -122,7 +55,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="AdamW learning rate, > 0 (default 1e-3; 2e-4 with --model)")
     parser.add_argument("--device", type=_device, default=None,
                         help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--vram-gb", type=_gigabytes, default=None, help="cap this process's VRAM, in GB (> 0)")
+    parser.add_argument("--vram-gb", dest="vram_bytes", type=size_in_gib, default=None, metavar="SIZE",
+                        help=f"cap this process's VRAM (on a GPU), in {SIZE_HELP}")
     parser.add_argument("--optimizer-mode", choices=["cpu", "gpu", "auto"], default="cpu")
     parser.add_argument("--offload", choices=["auto", "on"], default="on",
                         help="on: keep the optimizer in host memory; auto: move it to VRAM if it fits")
@@ -132,8 +66,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=_seed, default=0, help="integer in [0, 2**32) (default 0)")
     parser.add_argument("--attention", choices=["auto", "default", "cudnn", "efficient", "flash", "math"], default=None,
                         help="wrap()'s attention= (default: wrap()'s, 'auto' on one GPU)")
-    parser.add_argument("--json", type=_json_path, default=None,
-                        help="write the step times, losses and report here (checked before training)")
+    parser.add_argument("--json", type=_json_path, default=None, metavar="PATH",
+                        help="write the step times, losses, every event and the whole memory report here (checked "
+                             "before training); the console shows a summary")
     args = parser.parse_args(argv)
     pretrained = args.model is not None
     for name, default, with_model in (("steps", 30, 24), ("batch", 4, 1), ("seq", 128, 32), ("lr", 1e-3, 2e-4)):
@@ -240,10 +175,7 @@ def held_out_loss(model: torch.nn.Module, ids: torch.Tensor, device: torch.devic
 def _pretrained_main(args, device: torch.device) -> int:
     import trainstream
 
-    if args.vram_gb is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 1e9 / total), device)
-
+    _cap_vram(args, device)
     try:
         path = smollm2_gguf() if args.model == "smollm2" else args.model
         started = time.perf_counter()
@@ -256,42 +188,97 @@ def _pretrained_main(args, device: torch.device) -> int:
         raise CliError("the LoRA demo needs peft: pip install 'trainstream[hf]'") from None
     train_ids, held_out = demo_text_split(tokenizer)
     torch.manual_seed(args.seed)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                       target_modules=list(LORA_TARGETS)))
+    with warnings.catch_warnings():
+        # peft's PeftModel reads transformers 5's deprecated `is_gradient_checkpointing` alias: a FutureWarning
+        # about peft's code on every run, not about this one; only that message is hidden, only here.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                           task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS)))
     trained = [p for p in model.parameters() if p.requires_grad]
     print(f"trainstream demo: {os.path.basename(path)} (4-bit GGUF, dequantized to fp32), "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, LoRA r=16 "
           f"({sum(p.numel() for p in trained) / 1e6:.2f} M trained), {args.steps} steps of {args.batch} x "
-          f"{min(args.seq, train_ids.numel() - 1)} tokens on {device}; loaded in {time.perf_counter() - started:.1f} s")
+          f"{min(args.seq, train_ids.numel() - 1)} tokens on {device}; loaded in {time.perf_counter() - started:.1f} s",
+          flush=True)
     model.to(device)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
     with autocast:
         before = held_out_loss(model, held_out, device)
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
     model, optimizer = _wrap(model, optimizer, args, device)
-    losses, times = [], []
-    for step, ids in enumerate(_windows(train_ids, args.batch, args.seq, args.steps, args.seed), start=1):
-        started = time.perf_counter()
-        ids = ids.to(device)
-        with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - started)
-        _progress(step, args.steps, losses[-1], times[-1])
-    model._trainstream_session.synchronize()
+    batches = _windows(train_ids, args.batch, args.seq, args.steps, args.seed)
+    losses, times = _train(model, optimizer, batches, device, args.steps, autocast)
     with autocast:
         after = held_out_loss(model, held_out, device)
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; held-out perplexity {math.exp(before):.2f} -> "
-          f"{math.exp(after):.2f} ({held_out.numel()} tokens never trained on)")
+    report = trainstream.memory_report(model)
+    _summary(losses, times, report, args.json, f"held-out perplexity {math.exp(before):.2f} -> {math.exp(after):.2f} "
+                                    f"({held_out.numel()} tokens never trained on)")
     if args.json:
         _write_json(args.json, {"model": os.path.basename(path), "losses": losses, "step_seconds": times,
                                 "held_out_loss": [before, after],
-                                "held_out_perplexity": [math.exp(before), math.exp(after)],
-                                "report": trainstream.memory_report(model)})
+                                "held_out_perplexity": [math.exp(before), math.exp(after)], "report": report})
     return 0
+
+
+def _cap_vram(args, device: torch.device) -> None:
+    """--vram-gb on a GPU: this process's share of the card (set_per_process_memory_fraction)."""
+    if args.vram_bytes is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_bytes / total), device)
+
+
+def _train(model, optimizer, batches, device: torch.device, steps: int, autocast=None):
+    """The demo's training loop under a progress bar (tqdm, on stderr); returns (losses, step seconds). Events
+    logged meanwhile are written by the console handler, which clears the bar first: never beside it."""
+    from tqdm import tqdm
+
+    autocast = autocast or contextlib.nullcontext()
+    losses, times = [], []
+    with tqdm(total=steps, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+        for ids in batches:
+            started = time.perf_counter()
+            ids = ids.to(device)
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())  # also waits for this step's GPU work
+            times.append(time.perf_counter() - started)
+            bar.set_postfix_str(f"loss {losses[-1]:.4f}, {fmt_seconds(times[-1])}/step", refresh=False)
+            bar.update()
+    model._trainstream_session.synchronize()
+    return losses, times
+
+
+def _summary(losses: list[float], times: list[float], report: dict, json_path: str | None, extra: str = "") -> None:
+    """The run's last lines: loss before and after, the median step, and memory_report()'s summary."""
+    from ._report import summary_lines
+
+    steady = sorted(times[2:] or times)
+    print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps, median step "
+          f"{fmt_seconds(steady[len(steady) // 2])}" + (f"; {extra}" if extra else ""))
+    print("\n".join(f"  {line}" for line in summary_lines(report)))
+    where = f"in {json_path}" if json_path else "--json PATH"
+    print(f"  (the whole memory report, every event and each step's loss and time: {where})")
+
+
+@contextlib.contextmanager
+def _events_on_console():
+    """The session's events at INFO and above on stderr, one line each, never beside the progress bar (the
+    library's own default prints only warnings); the logger is left as it was found."""
+    from ._console import ConsoleHandler
+
+    logger = logging.getLogger("trainstream")
+    handler, level = ConsoleHandler(level=logging.INFO), logger.level
+    logger.addHandler(handler)
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _wrap(model, optimizer, args, device: torch.device):
@@ -315,191 +302,9 @@ def _write_json(path: str, data: dict) -> None:
         raise CliError(f"--json {path}: cannot be written ({error.strerror})") from None
 
 
-# ---- `trainstream plan`: the memory plan from a config alone -------------------------------------------
-
-# Qwen2.5's published shapes (tied embeddings up to 3B), and the demo's small decoders.
-PLAN_SIZES = {
-    **{name: dict(SIZES[name], tie_word_embeddings=True) for name in ("tiny", "small", "0.5b", "1.5b")},
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064),
-    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064),
-}
-PLAN_EXIT_REFUSED = 3
-_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
-
-
-def _param_offload(text: str):
-    """--param-offload: "auto", a fraction in [0, 1] (with a decimal point), or a count of blocks."""
-    if text == "auto":
-        return "auto"
-    if "." in text:
-        value = _number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")(text)
-        return ("fraction", value)
-    return _non_negative_int(text)
-
-
-def _plan_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trainstream plan", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="What one training step of MODEL needs (VRAM, host RAM, page-locked RAM, by category) and "
-                    "the plan that fits: quantization, streamed blocks, activations kept / paged / recomputed, "
-                    "optimizer placement and moment precision. Reads the config only, never the weights.",
-        epilog="Exit code 0 when a plan fits, 3 when none does, 2 for a bad argument.")
-    parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help="a Hugging Face Hub id, a folder holding config.json, or a config .json file")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", dest="model_id", metavar="HUB_ID", help="a Hugging Face Hub id (config only)")
-    source.add_argument("--config", metavar="PATH", help="a config.json file, or a folder holding one")
-    source.add_argument("--size", choices=list(PLAN_SIZES), help="a built-in shape (Qwen2.5's published ones)")
-    parser.add_argument("--batch", type=_positive_int, default=1, help="sequences per step (default 1)")
-    parser.add_argument("--seq", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
-    train = parser.add_mutually_exclusive_group()
-    train.add_argument("--lora-rank", "--lora", dest="lora_rank", type=_positive_int, default=None, metavar="R",
-                       help="train LoRA adapters of rank R on the seven projections (base frozen)")
-    train.add_argument("--full", action="store_true", help="full fine-tune (the default)")
-    parser.add_argument("--quantize", choices=["auto", "none", "int8", "nf4", "fp8", "nvfp4"], default="auto",
-                        help="frozen block weights (auto: only when nothing else fits; LoRA only)")
-    parser.add_argument("--prefer", choices=["exact", "speed"], default="exact",
-                        help="speed: quantize before streaming any block from host RAM")
-    # Options are named as wrap()'s (trainstream.Config's fields); the planner's older spellings stay as
-    # hidden aliases (test_cli_plan.py checks the names).
-    parser.add_argument("--offload", choices=["auto", "true"], default=None,
-                        help="as wrap()'s offload: auto (the default) prices AdamW's state in VRAM where it fits "
-                             "beside the rest, as the run moves it; true keeps it in host memory")
-    parser.add_argument("--optimizer", choices=["auto", "host", "gpu"], default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--moment-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    parser.add_argument("--param-offload", type=_param_offload, default=None, metavar="auto|FRACTION|N",
-                        help="as wrap()'s param_offload: the blocks whose weights stream from host RAM; auto (the "
-                             "default) the fewest that fit, a fraction in [0, 1] that share of the blocks, N blocks")
-    parser.add_argument("--streamed-blocks", dest="param_offload", type=_non_negative_int, help=argparse.SUPPRESS)
-    parser.add_argument("--loss-chunk-size", "--loss-chunk", dest="loss_chunk", type=_positive_int, default=None,
-                        metavar="TOKENS", help="as TrainStreamTrainer's loss_chunk_size: tokens per chunk of the "
-                                               "chunked loss (default: full logits, as Hugging Face computes them)")
-    parser.add_argument("--vram-gb", type=_gigabytes, default=None,
-                        help="GPU memory to plan for, in GB of 10**9 bytes (the plan prints GiB; default: this GPU, "
-                             "its per-process fraction applied)")
-    parser.add_argument("--host-gb", "--ram-gb", dest="host_gb", type=_gigabytes, default=None,
-                        help="host RAM to plan for, in GB of 10**9 bytes (default: this machine's available RAM, cgroup-bounded, "
-                             "split between LOCAL_WORLD_SIZE processes)")
-    parser.add_argument("--world-size", type=_positive_int, default=1, metavar="N",
-                        help="data-parallel ranks in all: each holds the host optimizer state of the tensors it owns")
-    parser.add_argument("--local-ranks", type=_positive_int, default=None, metavar="N",
-                        help="plan one of N data-parallel processes on this machine: each gets 1/N of its RAM "
-                             "(unless --host-gb) and 1/N of the streamed frozen weights' one shared copy "
-                             "(default: LOCAL_WORLD_SIZE, else 1)")
-    parser.add_argument("--measure", action="store_true",
-                        help="price the plan with this machine's measured rates (trainstream.profile_hardware, "
-                             "cached) instead of the defaults")
-    parser.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
-    return parser
-
-
-def _plan_shape(args, parser):
-    """The ModelShape named by the arguments, from a config only; a parser error when it cannot be had."""
-    import ts_planner
-
-    given = [x for x in (args.model, args.model_id, args.config, args.size) if x is not None]
-    if len(given) != 1:
-        parser.error("name one model: MODEL, --model HUB_ID, --config PATH or --size "
-                     f"{{{','.join(PLAN_SIZES)}}}" + (" (not several)" if given else ""))
-    if args.size is not None:
-        return ts_planner.ModelShape.from_config({**PLAN_SIZES[args.size], "model_type": "qwen2"}), args.size
-    path = args.config or args.model or args.model_id
-    try:
-        if args.config is not None or os.path.exists(path):
-            return ts_planner.ModelShape.from_config(path), path
-        try:
-            from transformers import AutoConfig
-        except ImportError:
-            parser.error(f"{path} is not a local file or folder, and a Hub id needs transformers: "
-                         "pip install 'trainstream[hf]'")
-        try:
-            config = AutoConfig.from_pretrained(path)  # config.json only: no weights are read
-        except (OSError, ValueError) as error:
-            parser.error(f"cannot load the config of {path!r}: {str(error).splitlines()[0]}")
-        return ts_planner.ModelShape.from_config(config), path
-    except ValueError as error:
-        parser.error(str(error))
-
-
-def _decisions(plan) -> list[dict]:
-    """The planner's choices as trainstream.plan()'s decisions: wrap()'s option names and values."""
-    o = plan.options
-    out = [{"option": "quantize", "value": o.quantize},
-           {"option": "param_offload", "value": list(plan.streamed) or False},
-           {"option": "offload", "value": "auto" if o.optimizer == "gpu" else True},
-           {"option": "moment_dtype", "value": o.moment_dtype}]
-    reasons = dict(c.split(": ", 1) for c in plan.choices if ": " in c)
-    keys = {"quantize": "quantize", "param_offload": "weights", "offload": "optimizer", "moment_dtype": "moments"}
-    for d in out:
-        d["reason"] = reasons.get(keys[d["option"]], "as asked")
-    return out
-
-
-def plan_main(argv: list[str] | None = None) -> int:
-    """`trainstream plan`: prints the plan (or with --json one object); 0 when it fits, 3 when nothing does."""
-    import ts_planner
-
-    parser = _plan_parser()
-    args = parser.parse_args(argv)
-    shape, name = _plan_shape(args, parser)
-    profile = None
-    if args.measure:
-        import trainstream
-
-        profile = trainstream.profile_hardware()
-    try:
-        ranks = args.local_ranks or ts_planner.local_process_count()
-    except ValueError as error:  # LOCAL_WORLD_SIZE and the like set to something that is not a count
-        parser.error(str(error))
-    try:
-        budget = ts_planner.machine_budget(
-            vram_bytes=None if args.vram_gb is None else int(args.vram_gb * 1e9),
-            host_bytes=None if args.host_gb is None else int(args.host_gb * 1e9), processes=ranks, profile=profile)
-    except RuntimeError:  # no GPU here and no --vram-gb
-        parser.error("this machine has no CUDA device: pass --vram-gb (the GPU memory to plan for, in GB)")
-    lora = args.lora_rank is not None
-    layers = shape.num_hidden_layers
-    streamed = "auto" if args.param_offload in (None, "auto") else (
-        round(args.param_offload[1] * layers) if isinstance(args.param_offload, tuple) else args.param_offload)
-    optimizer = args.optimizer or {None: "auto", "auto": "auto", "true": "host"}[args.offload]
-    try:
-        plan = ts_planner.plan_memory(
-            shape, budget, batch=args.batch, seq=args.seq, train="lora" if lora else "full",
-            lora_rank=args.lora_rank or 16, quantize=args.quantize,
-            optimizer=optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
-            streamed_blocks=streamed, prefer=args.prefer,
-            streamed_shared_by=ranks, state_shared_by=args.world_size)
-    except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
-        parser.error(str(error))
-    rates = "measured rates" if profile is not None else "default rates (--measure for this machine's)"
-    if args.as_json:
-        print(json.dumps({"model": name, **plan.to_dict(), "decisions": _decisions(plan), "rates": rates}, indent=1))
-    else:
-        print(f"trainstream plan: {name}; budget: {budget.vram_bytes / 2**30:.1f} GiB VRAM, {budget.host_bytes / 2**30:.1f} "
-              f"GiB host RAM ({budget.source}); {rates}")
-        print(plan.explain())
-    return 0 if plan.fits else PLAN_EXIT_REFUSED
-
-
 def _attention(args) -> dict:
     """wrap()'s attention= when --attention was given (else wrap()'s own default)."""
     return {} if args.attention is None else {"attention": args.attention}
-
-
-def _progress(step: int, total: int, loss: float, seconds: float) -> None:
-    width = 28
-    done = int(width * step / total)
-    bar = "=" * done + (">" if done < width else "") + " " * (width - done - 1)
-    sys.stderr.write(f"\rstep {step:4d}/{total} [{bar}] loss {loss:7.4f}  {seconds * 1000:8.1f} ms/step")
-    if step == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 class CliError(Exception):
@@ -510,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     """The `trainstream` command: the demo, `--model`, or `plan`. A refusal is one line and exit code 2 (argparse's
     own errors too), Ctrl-C one line and 130."""
     try:
-        return _main(argv)
+        with _events_on_console():
+            return _main(argv)
     except KeyboardInterrupt:
         sys.stderr.write("\ntrainstream: interrupted\n")
         return 130
@@ -531,21 +337,20 @@ def _check_demo_size(args, size: str, device: torch.device, dtype: torch.dtype) 
     need = tokens * (12 * shape["vocab_size"] + 16 * dtype.itemsize * shape["hidden_size"] * shape["num_hidden_layers"])
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-        where = f"{device} has {free / 2**30:.1f} GiB free"
+        where = f"{device} has {fmt_bytes(free, 'GiB', 1)} free"
     else:
         import ts_pinned
 
         free = ts_pinned.page_lock_budget().mem_available
-        where = f"this machine has {free / 2**30:.1f} GiB of RAM available"
+        where = f"this machine has {fmt_bytes(free, 'GiB', 1)} of RAM available"
     if need > free:
-        raise CliError(f"--batch {args.batch} x --seq {args.seq} needs about {need / 2**30:.1f} GiB for "
+        raise CliError(f"--batch {args.batch} x --seq {args.seq} needs about {fmt_bytes(need, 'GiB', 1)} for "
                        f"activations alone; {where}")
 
 
 def _main(argv: list[str] | None) -> int:
     import trainstream
     from trainstream._demo_text import byte_batches
-    from trainstream._report import summary_lines
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
@@ -559,37 +364,17 @@ def _main(argv: list[str] | None) -> int:
     _check_demo_size(args, size, device, dtype)
     if SIZES[size]["vocab_size"] != 256:
         print(f"note: {size} has a {SIZES[size]['vocab_size']}-token vocabulary; the built-in text uses ids 0..255")
-    if args.vram_gb is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_gb * 1e9 / total), device)
+    _cap_vram(args, device)
     model = build_model(size, dtype, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     print(f"trainstream demo: {size} decoder, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters "
-          f"({str(dtype).removeprefix('torch.')}), {args.steps} steps of {args.batch} x {args.seq} tokens on {device}")
+          f"({str(dtype).removeprefix('torch.')}), {args.steps} steps of {args.batch} x {args.seq} tokens on {device}",
+          flush=True)
     model, optimizer = _wrap(model, optimizer, args, device)
-    session = model._trainstream_session
-    seen = len(session.events)
-    losses, times = [], []
-    for step, batch in enumerate(byte_batches(args.batch, args.seq, args.steps, args.seed), start=1):
-        started = time.perf_counter()
-        ids = batch.to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        value = loss.item()  # also waits for this step's GPU work
-        times.append(time.perf_counter() - started)
-        losses.append(value)
-        _progress(step, args.steps, value, times[-1])
-        if len(session.events) > seen:  # a decision was printed mid-run: start a fresh progress line
-            sys.stderr.write("\n")
-            seen = len(session.events)
-    session.synchronize()
+    losses, times = _train(model, optimizer, byte_batches(args.batch, args.seq, args.steps, args.seed), device,
+                           args.steps)
     report = trainstream.memory_report(model)
-    steady = sorted(times[2:] or times)
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; median step {steady[len(steady) // 2] * 1000:.1f} ms")
-    print("memory report (the whole of it, and every event, with --json PATH):")
-    print("\n".join(f"  {line}" for line in summary_lines(report)))
+    _summary(losses, times, report, args.json)
     if args.json:
         _write_json(args.json, {"losses": losses, "step_seconds": times, "report": report})
     return 0

@@ -2,7 +2,7 @@
 (engines alternated in rounds, one host) shows a win beyond the run-to-run spread.
 
 Each is a ``wrap()`` option; pass it to turn the feature on (``"auto"`` lets its own rule decide where
-it applies). ``FEATURES`` lists them with what would graduate each; the README's options table and
+it applies). ``FEATURES`` lists them with what would graduate each; the option tables of docs/options.md and
 ``trainstream.plan()`` use the same names.
 """
 

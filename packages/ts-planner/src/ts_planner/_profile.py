@@ -71,9 +71,17 @@ def measure_link(device: torch.device | int | None = None, bytes: int = 256 << 2
     return _core.link_gbps(int(bytes), index if index is not None else torch.cuda.current_device(), int(repeats))
 
 
+def _cache_root() -> pathlib.Path:
+    """TRAINSTREAM_CACHE_DIR, else ``$XDG_CACHE_HOME/trainstream`` (where it is an absolute path, as the XDG
+    base directory spec says), else ``~/.cache/trainstream``."""
+    if os.environ.get(CACHE_ENV):
+        return pathlib.Path(os.environ[CACHE_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache") / "trainstream"
+
+
 def _cache_path(key: str) -> pathlib.Path:
-    root = pathlib.Path(os.environ.get(CACHE_ENV, pathlib.Path.home() / ".cache" / "trainstream"))
-    return root / f"hardware-{key}.json"
+    return _cache_root() / f"hardware-{key}.json"
 
 
 def profile_hardware(device: torch.device | int | None = None, quick: bool = True, force: bool = False,
@@ -82,7 +90,8 @@ def profile_hardware(device: torch.device | int | None = None, quick: bool = Tru
 
     ``quick`` uses 64 MiB transfers instead of 512 MiB; ``threads`` caps the host threads of the
     host copy probe (None: the whole host pool). The cache lives in TRAINSTREAM_CACHE_DIR (default
-    ``~/.cache/trainstream``), keyed by GPU, core count, RAM size, ``quick`` and ``threads``.
+    ``$XDG_CACHE_HOME/trainstream``, else ``~/.cache/trainstream``), keyed by GPU, core count, RAM size, ``quick``
+    and ``threads``.
     """
     _check_threads(threads)  # before anything is measured or read
     info = _core.host_memory()

@@ -24,16 +24,13 @@ import time
 import torch
 import ts_planner
 
-from ..memory.sizing import GiB, PlanRefused, vram_budget
+from .._units import fmt_bytes, fmt_seconds
+from ..memory.sizing import PlanRefused, vram_budget
 from .tuner import Choice, Measured, choose, trial_candidates
 
 __all__ = ["ActivationTuner", "BatchRefused", "CudaMeter", "Meter"]
 
 MAX_RETIMED = 2  # a trial that compiles again and again (recompiles every step) is timed as it is
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 class BatchRefused(PlanRefused):
@@ -228,8 +225,8 @@ class ActivationTuner:
                               paged=0 if self.recompute else None)
         where = ("no VRAM limit (CPU)" if budget is None else
                  "none kept in VRAM until this step's peak shows what the rest of the step needs")
-        self._event(f"probe: one block saves {probe_bytes / GiB:.3f} GiB for backward and runs forward in "
-                    f"{forward_s * 1e3:.1f} ms (first call: re-timed in the next steps); {where}; this step: "
+        self._event(f"probe: one block saves {fmt_bytes(probe_bytes)} for backward and runs forward in "
+                    f"{fmt_seconds(forward_s)} (first call: re-timed in the next steps); {where}; this step: "
                     f"{self.describe(self.current)}")
         self.phase = "measuring"
         return self.current
@@ -296,7 +293,7 @@ class ActivationTuner:
             # a trial timed with its compiles can take tens of times its real step (docs/benchmarks.md).
             self._retimed += 1
             self._event(f"trial: {self.describe(self.current)}: torch.compile compiled during the step "
-                        f"({seconds * 1e3:.0f} ms): timed again in the next step")
+                        f"({fmt_seconds(seconds)}): timed again in the next step")
             self.meter.reset_peak()
             return None
         else:
@@ -304,8 +301,8 @@ class ActivationTuner:
             self.trials.append((self.current, seconds, peak))
             cap = (f" (the allocator ran out of cached VRAM {at_cap} times and synchronized the GPU: "
                    f"counted as not fitting)" if at_cap > 0 else "")
-            self._event(f"trial: {self.describe(self.current)}: {seconds * 1e3:.0f} ms, peak "
-                        f"{measured_peak / GiB:.2f} GiB" + cap)
+            self._event(f"trial: {self.describe(self.current)}: {fmt_seconds(seconds)}, peak "
+                        f"{fmt_bytes(measured_peak)}" + cap)
             self._trial += 1
             self._prune(m)
         self.meter.reset_peak()
@@ -335,8 +332,8 @@ class ActivationTuner:
         half = paging[0] // 2
         if half < 1:
             return None
-        self._event(f"paging {paging[0]} blocks lost to paging none ({timed[paging[0]] * 1e3:.0f} against "
-                    f"{timed[0] * 1e3:.0f} ms): one more trial pages {half}")
+        self._event(f"paging {paging[0]} blocks lost to paging none ({fmt_seconds(timed[paging[0]])} against "
+                    f"{fmt_seconds(timed[0])}): one more trial pages {half}")
         return choose(m, page=self.page, recompute=self.recompute, paged=half)
 
     def _prune(self, m: Measured) -> None:
@@ -346,8 +343,8 @@ class ActivationTuner:
             pages = len(c.paged) * m.block_bytes  # out in forward, back in backward beside the reserved bytes
             floor = max(2 * pages, pages + m.reserved_link_bytes) / m.link_bytes_per_s
             if floor >= best:
-                self._event(f"not tried: {self.describe(c)}: its pages alone would take {floor * 1e3:.0f} ms "
-                            f"on the link, the best step so far took {best * 1e3:.0f} ms")
+                self._event(f"not tried: {self.describe(c)}: its pages alone would take {fmt_seconds(floor)} "
+                            f"on the link, the best step so far took {fmt_seconds(best)}")
             else:
                 left.append(c)
         self.candidates = self.candidates[:self._trial] + left
@@ -365,8 +362,8 @@ class ActivationTuner:
         best = min(self._fitting_trials() or self.trials, key=lambda t: t[1])[0] if self.trials else self.candidates[0]
         self.current = self._refit(best, m)
         self.phase = "settled"
-        timings = ", ".join(f"{self.describe(c)} {s * 1e3:.0f} ms" for c, s, _ in self.trials)
-        left = (f"; {_size(self.vram_left_for_state)} of VRAM left for the optimizer state, which moves there next"
+        timings = ", ".join(f"{self.describe(c)} {fmt_seconds(s)}" for c, s, _ in self.trials)
+        left = (f"; {fmt_bytes(self.vram_left_for_state)} of VRAM left for the optimizer state, which moves there next"
                 if self.vram_left_for_state else "")
         self._event(f"settled: {self.describe(self.current)}" + (f" (measured: {timings})" if timings else "") + left)
         return self.current
@@ -407,8 +404,8 @@ class ActivationTuner:
         if base > limit:
             raise BatchRefused(
                 f"a forward of {tokens} tokens ({scale:.2f}x the {self.tokens} measured) would need about "
-                f"{_size(base)} besides the blocks' saved activations ({_size(self.static_bytes)} allocated "
-                f"before the forward, the rest scaled with the tokens), over the {_size(limit)} budget even "
+                f"{fmt_bytes(base)} besides the blocks' saved activations ({fmt_bytes(self.static_bytes)} allocated "
+                f"before the forward, the rest scaled with the tokens), over the {fmt_bytes(limit)} budget even "
                 f"with every block recomputed; nothing ran. Use at most "
                 f"about {self._tokens_that_fit(limit)} tokens per forward, or free VRAM (param_offload=, "
                 f"quantize=, a chunked loss)")
@@ -421,7 +418,7 @@ class ActivationTuner:
             return None
         self.current = choice
         self._event(f"watchdog: a forward of {tokens} tokens ({scale:.2f}x the measured {int(tokens / scale)}) "
-                    f"would save {grown.block_bytes / GiB:.3f} GiB per block: {self.describe(choice)} "
+                    f"would save {fmt_bytes(grown.block_bytes)} per block: {self.describe(choice)} "
                     f"(was: {self.describe(before)})")
         return choice
 

@@ -13,6 +13,7 @@ import numbers
 import torch
 import ts_planner
 
+from .._units import fmt_bytes
 from ..engine.hooks import EngineHook
 from ..memory.blocks import find_blocks
 from .autotune import ActivationTuner, CudaMeter, Meter
@@ -316,7 +317,7 @@ class ActivationPolicy:
             self._pool_trimmed = True
             released = self.offloader.shrink_pool(expected)
             if released:
-                self._events.add("activations", f"released {released / 2**30:.2f} GiB of page-locked memory the "
+                self._events.add("activations", f"released {fmt_bytes(released)} of page-locked memory the "
                                                 f"settled setting does not page into")
             return
         try:
@@ -327,7 +328,7 @@ class ActivationPolicy:
                                             f"page-locked one by one, or pageable")
             return
         if grown:
-            self._events.add("activations", f"reserved {grown / 2**30:.2f} GiB more page-locked memory for "
+            self._events.add("activations", f"reserved {fmt_bytes(grown)} more page-locked memory for "
                                             f"activation pages (what the next step pages, or the most the "
                                             f"last step held at once)")
 

@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
 from .._events import EventLog
+from .._units import fmt_bytes
 from ..engine.hooks import EngineHook
 from ._calls import SdpaCall, determinism, forward_signature
 from ._measure import (
@@ -447,9 +448,9 @@ class AttentionChooser:
             extra = torch.cuda.max_memory_allocated(device) - peak
             if self.may_reset_peak is not None and self.may_reset_peak():
                 torch.cuda.reset_peak_memory_stats(device)
-                reset = f"; its {extra / 2**20:.0f} MiB peak is not counted in the step's peak"
+                reset = f"; its {fmt_bytes(extra)} peak is not counted in the step's peak"
             else:
-                reset = f"; it raised the peak by {extra / 2**20:.0f} MiB"
+                reset = f"; it raised the peak by {fmt_bytes(extra)}"
         times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(result.timings_ms.items(), key=lambda x: x[1]))
         skipped = "; ".join(f"{name} skipped: {why}" for name, why in result.skipped.items())
         self.events.add("attention", f"auto, {result.label}: {times or 'no backend ran'} -> "

@@ -37,6 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from ts_quant import FORMATS
 from ts_quant._formats import check_block
 
+from .._units import fmt_bytes
 from ..weights.quantize import SAVE_PRETRAINED_REFUSAL
 from .hf_loading import INDEX_FILE, SHARDS_DISAGREE, _block_linears, _listing, _quantized_layer, shard_mismatches
 
@@ -176,8 +177,8 @@ class TrainStreamHfQuantizer(HfQuantizer):
             if type(linear) is torch.nn.Linear and linear.weight.device.type != "meta":
                 setattr(parent, attr, _quantized_layer(linear, linear.weight.detach(), config.format, config.block_size))
         count, (before, after) = len(self.targets), self.sizes
-        _log.info("quantized %d linear weights of the blocks to %s while loading: %.3f GiB -> %.3f GiB", count,
-                  self.quantization_config.format, before / 2**30, after / 2**30)
+        _log.info("quantized %d linear weights of the blocks to %s while loading: %s -> %s", count,
+                  self.quantization_config.format, fmt_bytes(before), fmt_bytes(after))
         self.targets = {}  # the meta modules are gone; keep no references to the model
         return model
 

@@ -23,6 +23,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 
 from .. import OffloadAdamW, causal_lm_loss, compile_blocks, find_blocks, sequence_logprobs, wrap
 from .._config import Config, trainer_options
+from .._console import write_line
 from .._options import parse_options
 from .hf_loading import load_model
 from .hf_quantizer import TrainStreamQuantConfig  # registers the quantizer with transformers
@@ -341,7 +342,10 @@ def _token_average_scale(trainer, num_items_in_batch) -> int:
 class TrainStreamCallback(TrainerCallback):
     """For a stock ``transformers.Trainer`` given an ``OffloadAdamW`` (``optimizers=(opt, None)``), attached
     or not: at each log step, adds TrainStream's metrics since the previous log to the logs and the
-    log history, and prints them on the main process (``verbose=False``: only records them).
+    log history, and prints them on the main process once (``verbose=False``: only records them). Given to the
+    Trainer (``callbacks=[...]``), it runs before the Trainer's own printing callback, which prints them in its
+    log line; added later (``trainer.add_callback``), it runs after that line and prints them on a line of its
+    own, never beside the progress bar.
 
     Keys: ``trainstream/step_s`` and ``trainstream/host_update_s`` (mean seconds per step inside
     ``optimizer.step()`` and in host AdamW; the latter only where it is measured), ``trainstream/d2h_GB``
@@ -359,6 +363,7 @@ class TrainStreamCallback(TrainerCallback):
         self.optimizer = optimizer
         self.verbose = verbose
         self._last = optimizer.stats()
+        self._in_trainer_line = False  # the Trainer's printing callback prints the logs after this one updates them
 
     def metrics(self) -> dict[str, float]:
         """The metrics since the previous call."""
@@ -377,6 +382,11 @@ class TrainStreamCallback(TrainerCallback):
             out["trainstream/grad_norm"] = float(now["last_grad_norm"])
         return out
 
+    def on_init_end(self, args, state, control, **kwargs):
+        # Only the callbacks a Trainer is made with hear it; its printing callback (PrinterCallback, or the
+        # progress bar's) was added after them, so it prints the logs this callback has updated.
+        self._in_trainer_line = True
+
     def on_train_begin(self, args, state, control, **kwargs):
         # An attached optimizer the Trainer would clip or accumulate for in vain is refused before step 1.
         _check_trainer_settings(self.optimizer, args, "the Trainer")
@@ -390,5 +400,5 @@ class TrainStreamCallback(TrainerCallback):
             entry = state.log_history[-1]  # the entry the Trainer just appended for these logs
             _real_grad_norm(entry, self.optimizer)
             entry.update(values)
-        if self.verbose and state.is_world_process_zero:
-            print(" ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
+        if self.verbose and state.is_world_process_zero and not self._in_trainer_line:
+            write_line(" ".join(f"{k}={v:.4g}" for k, v in values.items()), sys.stdout)

@@ -10,6 +10,7 @@ import torch
 import ts_pinned
 import ts_planner
 
+from .._units import fmt_bytes, fmt_seconds
 from ..engine.slots import ParamSlot
 
 __all__ = ["PLAN_BATCH", "PLAN_SEQ", "HostPlan", "ModelFacts", "PlanRefused", "WrapPlan", "describe_model",
@@ -47,8 +48,10 @@ class HostPlan:
     message: str
 
 
-def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: str, check: bool) -> HostPlan:
-    """Chooses the moment precision and checks that the host state fits the page-lock budget."""
+def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: str, check: bool,
+                     on_gpu: bool = True) -> HostPlan:
+    """Chooses the moment precision and checks that the host state fits the page-lock budget (``on_gpu`` False:
+    the message calls it the host RAM budget, as nothing is page-locked for a run on the CPU)."""
     machine = ts_pinned.page_lock_budget()
     # Processes launched together on one machine (torchrun, Slurm) share its RAM: each plans with 1/n.
     local = ts_planner.local_process_count()
@@ -60,21 +63,22 @@ def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: s
     if moment_dtype == "auto":
         chosen = "float32" if needs["float32"] <= budget.budget else "bfloat16"
         why = ("fp32 moments fit" if chosen == "float32" else
-               f"fp32 moments would need {needs['float32'] / GiB:.2f} GiB, more than the {budget.budget / GiB:.2f} GiB budget")
+               f"fp32 moments would need {fmt_bytes(needs['float32'])}, more than the {fmt_bytes(budget.budget)} budget")
     else:
         chosen, why = moment_dtype, "as requested"
     needed = needs[chosen]
     if check and needed > budget.budget:
         raise MemoryError(
-            f"the optimizer state needs {needed / GiB:.2f} GiB of page-locked host RAM ({chosen} moments, "
-            f"{placement} placement) but only {budget.budget / GiB:.2f} GiB can be used "
-            f"({budget.mem_available / GiB:.2f} GiB available). bfloat16 moments would need "
-            f"{needs['bfloat16'] / GiB:.2f} GiB; otherwise train fewer parameters (LoRA), free host RAM, "
+            f"the optimizer state needs {fmt_bytes(needed)} of page-locked host RAM ({chosen} moments, "
+            f"{placement} placement) but only {fmt_bytes(budget.budget)} can be used "
+            f"({fmt_bytes(budget.mem_available)} available). bfloat16 moments would need "
+            f"{fmt_bytes(needs['bfloat16'])}; otherwise train fewer parameters (LoRA), free host RAM, "
             f"or pass check_memory=False to try anyway."
         )
-    share = f" (1/{local} of the machine's {machine.budget / GiB:.2f} GiB: {local} local processes)" if local > 1 else ""
+    share = f" (1/{local} of the machine's {fmt_bytes(machine.budget)}: {local} local processes)" if local > 1 else ""
     message = (f"{sum(p.numel() for p in params) / 1e6:.1f} M trained parameters: {chosen} moments ({why}); "
-               f"{needed / GiB:.2f} GiB of host state, page-lock budget {budget.budget / GiB:.2f} GiB{share}")
+               f"{fmt_bytes(needed)} of host state, {'page-lock' if on_gpu else 'host RAM'} budget "
+               f"{fmt_bytes(budget.budget)}{share}")
     return HostPlan(getattr(torch, chosen), needed, budget.budget, message)
 
 
@@ -267,24 +271,26 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
         return WrapPlan(False, apply, _refusal(what, state, facts, budget, quantize, moment_dtype,
                                                 streamed_blocks, args), plan, state)
     if plan.fits:
-        room = ("on the CPU, no VRAM limit" if budget.vram_bytes >= _NO_VRAM else
-                f"of {budget.usable_vram / GiB:.2f} GiB usable VRAM")
-        verdict = (f"at {batch} x {seq} tokens: peak {plan.peak_vram_bytes / GiB:.2f} GiB {room}, "
-                   f"{plan.host_bytes / GiB:.2f} GiB of "
-                   f"{budget.host_bytes / GiB:.2f} GiB host RAM")
+        room = ("on the CPU" if budget.vram_bytes >= _NO_VRAM else
+                f"of {fmt_bytes(budget.usable_vram)} usable VRAM")
+        verdict = (f"at {batch} x {seq} tokens: peak {fmt_bytes(plan.peak_vram_bytes)} {room}, "
+                   f"{fmt_bytes(plan.host_bytes)} of "
+                   f"{fmt_bytes(budget.host_bytes)} host RAM")
     else:
         e = plan.estimate
         more = _fixes(facts, budget, plan.options, args, moment_dtype, streamed_blocks, seq=seq, batch=batch)
-        short = ", ".join(f"{_NAMES[name]} {over / GiB:.2f} GiB short" for name, _, over in plan.overflow)
+        short = ", ".join(f"{_NAMES[name]} {fmt_bytes(over)} short" for name, _, over in plan.overflow)
         verdict = (f"{batch} x {seq} tokens do not fit even with every reduction the options allow "
-                   f"(peak {e.allocator_bytes / GiB:.2f} GiB, host {e.host_bytes / GiB:.2f} GiB: {short}); the state alone does "
-                   f"({state.peak_vram_bytes / GiB:.2f} GiB VRAM, {state.host_bytes / GiB:.2f} GiB host RAM): "
+                   f"(peak {fmt_bytes(e.allocator_bytes)}, host {fmt_bytes(e.host_bytes)}: {short}); the state alone does "
+                   f"({fmt_bytes(state.peak_vram_bytes)} VRAM, {fmt_bytes(state.host_bytes)} host RAM): "
                    f"fewer tokens per step will" + (f", or at {seq} tokens {' or '.join(more)}" if more else ""))
-    message = (f"{what}: {verdict}; quantize={chosen or 'none'}, moments {o.moment_dtype}, "
-               f"{o.streamed_blocks} of {shape.num_hidden_layers} blocks streamed, activations {keep} kept / "
-               f"{page} paged / {recompute} recomputed; lower bound {plan.lower_bound_s * 1e3:.1f} ms/step "
-               f"(compute {plan.compute_s * 1e3:.1f}, link {plan.link_s * 1e3:.1f}, host AdamW "
-               f"{plan.host_optimizer_s * 1e3:.1f} ms at default rates)")
+    on_gpu = budget.vram_bytes < _NO_VRAM  # on the CPU nothing streams, pages or crosses a link
+    layout = (f"{o.streamed_blocks} of {shape.num_hidden_layers} blocks streamed, activations {keep} kept / {page} "
+              f"paged / {recompute} recomputed; " if on_gpu else "")
+    link = f", link {fmt_seconds(plan.link_s)}" if on_gpu else ""
+    message = (f"{what}: {verdict}; quantize={chosen or 'none'}, moments {o.moment_dtype}, {layout}lower bound "
+               f"{fmt_seconds(plan.lower_bound_s)}/step (compute {fmt_seconds(plan.compute_s)}{link}, host AdamW "
+               f"{fmt_seconds(plan.host_optimizer_s)} at default rates)")
     return WrapPlan(True, apply, message, plan, state)
 
 
@@ -304,8 +310,9 @@ def _refusal(what: str, state, facts: ModelFacts, budget, quantize, moment_dtype
         if category == "cuda_context":
             need, have = e.device_bytes, budget.device_bytes or 0
         size = (e.vram if name == "VRAM" else e.host)[category]
-        parts.append(f"needs {need / GiB:.1f} GiB of {_NAMES[name]}, {have / GiB:.1f} available "
-                     f"({over / GiB:.1f} short; the largest part: {category.replace('_', ' ')} {size / GiB:.1f} GiB)")
+        parts.append(f"needs {fmt_bytes(need, 'GiB', 1)} of {_NAMES[name]}, {fmt_bytes(have, 'GiB', 1)} available "
+                     f"({fmt_bytes(over, 'GiB', 1)} short; the largest part: {category.replace('_', ' ')} "
+                     f"{fmt_bytes(size, 'GiB', 1)})")
     fixes = _fixes(facts, budget, state.options, args, moment_dtype, streamed, seq=1)
     advice = (f"use {' or '.join(fixes)}" if fixes else
               "nothing the options allow fits: a smaller model, a GPU with more memory or more host RAM")
@@ -351,11 +358,12 @@ def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: i
                "moment_dtype": "float32" if moment == 4 else "bfloat16"}
     short = []
     if vram is not None and quantize is None and vram > budget.usable_vram:  # "auto": choose_quantize decides
-        short.append(f"needs {vram / GiB:.1f} GiB of VRAM for its weights, {budget.usable_vram / GiB:.1f} available: "
+        short.append(f"needs {fmt_bytes(vram, 'GiB', 1)} of VRAM for its weights, "
+                     f"{fmt_bytes(budget.usable_vram, 'GiB', 1)} available: "
                      f"use quantize='nf4' (frozen block weights) or param_offload=True")
     if host > budget.host_bytes:
-        short.append(f"needs {host / GiB:.1f} GiB of host RAM for the optimizer state, "
-                     f"{budget.host_bytes / GiB:.1f} available: use "
+        short.append(f"needs {fmt_bytes(host, 'GiB', 1)} of host RAM for the optimizer state, "
+                     f"{fmt_bytes(budget.host_bytes, 'GiB', 1)} available: use "
                      + ("LoRA adapters or more host RAM" if moment == 2 else "moment_dtype='bf16'"))
     if short:
         return WrapPlan(False, None if quantize == "auto" else quantize,
@@ -363,4 +371,4 @@ def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: i
                         + " (check_memory=False tries anyway)", generic=numbers)
     return WrapPlan(True, None if quantize == "auto" else quantize,
                     f"{facts.mismatch or 'no decoder shape'}: only the state is checked (weights "
-                    f"{facts.weight_bytes / GiB:.2f} GiB, host state {host / GiB:.2f} GiB)", generic=numbers)
+                    f"{fmt_bytes(facts.weight_bytes)}, host state {fmt_bytes(host)})", generic=numbers)

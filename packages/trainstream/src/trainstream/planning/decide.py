@@ -214,7 +214,8 @@ def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
         for share in host_shares([p.numel() * p.element_size() for p in params], world,
                                  torch.distributed.get_rank() if world > 1 else 0))
     try:
-        host = plan_host_memory(largest, placement, opts.moment_dtype, opts.check_memory)
+        host = plan_host_memory(largest, placement, opts.moment_dtype, opts.check_memory,
+                                on_gpu=device.type == "cuda")
     except MemoryError as error:
         raise PlanRefused(str(error)) from None
     needed = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)

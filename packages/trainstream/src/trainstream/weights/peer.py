@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .._schedule import PEER_SETUP_STEP
-from ..memory.sizing import GiB, vram_budget
+from .._units import fmt_bytes
+from ..memory.sizing import vram_budget
 from . import shared_host
 
 __all__ = ["SETUP_STEP", "check_peer_option", "setup_peer"]
@@ -87,6 +88,6 @@ def setup_peer(streamer, option, device: torch.device, headroom: float, events):
         events.add("peer", f"peer={option!r}: off: {reason}")
         return None
     streamer.use_peer(pool)
-    events.add("peer", f"peer={option!r}: {reason}; this rank's pool holds {pool.pool_bytes / GiB:.2f} GiB "
+    events.add("peer", f"peer={option!r}: {reason}; this rank's pool holds {fmt_bytes(pool.pool_bytes)} "
                        f"({backend} backend)")
     return pool

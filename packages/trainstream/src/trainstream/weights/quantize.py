@@ -11,6 +11,7 @@ import torch
 import ts_pinned
 from ts_quant import FORMATS, QuantizedTensor, QuantLinear
 
+from .._units import fmt_bytes
 from ..memory.blocks import find_blocks
 
 __all__ = ["QUANTIZE_CHOICES", "block_linears", "choose_quantize", "quantize_model", "size_estimates"]
@@ -41,13 +42,13 @@ def choose_quantize(model: torch.nn.Module, budget: int) -> tuple[str | None, st
     for fmt, estimate in estimates:
         if estimate <= budget:
             if fmt is None:
-                return None, f"the weights ({total / GiB:.2f} GiB) fit in {budget / GiB:.2f} GiB of usable VRAM as they are"
-            return fmt, (f"the weights ({total / GiB:.2f} GiB) exceed {budget / GiB:.2f} GiB of usable VRAM; "
-                         f"{fmt} frozen block weights bring them to {estimate / GiB:.2f} GiB")
+                return None, f"the weights ({fmt_bytes(total)}) fit in {fmt_bytes(budget)} of usable VRAM as they are"
+            return fmt, (f"the weights ({fmt_bytes(total)}) exceed {fmt_bytes(budget)} of usable VRAM; "
+                         f"{fmt} frozen block weights bring them to {fmt_bytes(estimate)}")
     raise MemoryError(
-        f"the weights need {total / GiB:.2f} GiB but only {budget / GiB:.2f} GiB of VRAM can be used; even NF4 "
+        f"the weights need {fmt_bytes(total)} but only {fmt_bytes(budget)} of VRAM can be used; even NF4 "
         f"frozen block weights ({sum(w.numel() for w in weights) / 1e9:.2f} B values) leave "
-        f"{estimates[-1][1] / GiB:.2f} GiB. Freeze more of the model (LoRA), use a GPU with more memory, or lower "
+        f"{fmt_bytes(estimates[-1][1])}. Freeze more of the model (LoRA), use a GPU with more memory, or lower "
         f"vram_headroom; weight paging is not built yet."
     )
 

@@ -34,6 +34,8 @@ import uuid
 
 import torch
 
+from .._units import fmt_bytes
+
 __all__ = ["PREFIX", "SHM_DIR", "SharedRegion", "layout_digest", "machine_key", "share"]
 
 SHM_DIR = "/dev/shm"
@@ -190,7 +192,7 @@ def share(nbytes: int, digest: str, fill, *, device: torch.device, timeout: floa
             why = theirs.get("why") or failed[0]["why"]
             return None, f"a private host copy per rank: {why}"
         region = SharedRegion(tensor, path, lead, len(local), inode)
-        return region, (f"one host copy for the {len(local)} ranks on this machine ({nbytes / 2**20:.1f} MiB in "
+        return region, (f"one host copy for the {len(local)} ranks on this machine ({fmt_bytes(nbytes)} in "
                         f"{SHM_DIR}, filled by rank {leader})")
     finally:
         if region is None and not alone:

@@ -56,6 +56,7 @@ import time
 import torch
 import ts_pinned
 
+from .._units import fmt_bytes
 from ..engine import interrupts
 from ..engine.channel import ChannelOwner, channel_for
 from ..engine.hooks import EngineHook
@@ -259,7 +260,7 @@ class WeightStreamer(ChannelOwner):
             return "stream_packing: no streamed block packs to 90 % of its bytes or less; they stream as stored"
         return (f"stream_packing: {len(host.blocks)} of {len(self.streamed)} streamed blocks cross the link "
                 f"exponent-packed, {stats['packed_ratio']:.3f} of their bytes (lossless; "
-                f"{stats['packed_bytes'] / 2**30:.2f} GiB of host memory beside the plain copies)")
+                f"{fmt_bytes(stats['packed_bytes'])} of host memory beside the plain copies)")
 
     def _host_source(self):
         return self.source.fallback if isinstance(self.source, PeerSource) else self.source
