@@ -351,6 +351,47 @@ def test_disk_steps_are_bit_exact_with_steps_in_ram(tmp_path_factory, sizes, qua
     assert _entries(directory) == []
 
 
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 7000), min_size=2, max_size=6), depth=st.integers(1, 3),
+       moments=st.sampled_from([torch.float32, torch.bfloat16]), picks=st.lists(st.integers(0, 63), min_size=3,
+                                                                                max_size=3),
+       seed=st.integers(0, 2**32))
+def test_steps_of_some_parameters_match_ram_and_leave_the_others(tmp_path_factory, sizes, depth, moments, picks,
+                                                                  seed):
+    """Buckets arrive one at a time: stepping a subset (whose segments it may share with neighbours) updates
+    exactly that subset, as adamw_steps over it would, and leaves every other value bit for bit."""
+    params = _model(sizes, seed % 1000)
+    names = list(params)
+    ref = _reference(params, moments)
+    with ts_adamw.DiskState(params, tmp_path_factory.mktemp("subset"), moment_dtype=moments, depth=depth,
+                            segment_values=2048) as state:
+        for step, pick in enumerate(picks, start=1):
+            chosen = [n for i, n in enumerate(names) if pick >> i & 1] or names[-1:]
+            at = [names.index(n) for n in chosen]
+            gen = torch.Generator().manual_seed(seed % 991 + step)
+            grads = [torch.randn(params[n].shape, generator=gen) for n in chosen]
+            outs = [torch.empty(params[n].shape, dtype=torch.bfloat16) for n in chosen]
+            ref_outs = [torch.empty(params[n].numel(), dtype=torch.bfloat16) for n in chosen]
+            state.step(grads, step=step, params_out=outs, seed=seed, names=chosen, **KW)
+            ts_adamw.adamw_steps([ref[0][i] for i in at], [g.reshape(-1) for g in grads], [ref[1][i] for i in at],
+                                 [ref[2][i] for i in at], step=step, params_out=ref_outs, seed=seed, keys=at, **KW)
+            assert all(torch.equal(o.reshape(-1), r) for o, r in zip(outs, ref_outs))
+        assert _state_equals(state, ref)
+
+
+def test_bad_names_are_refused_before_any_io(tmp_path):
+    params = _model([3000, 20], 4)
+    with ts_adamw.DiskState(params, tmp_path, segment_values=2048) as state:
+        g = torch.randn(20)
+        for names, message in ((["zz"], "unknown parameters"), (["p1", "p1"], "twice"), ([], "non-empty"),
+                               ("p1", "non-empty")):
+            with pytest.raises(ValueError, match=message):
+                state.step([g], step=1, names=names, **KW)
+        with pytest.raises(ValueError, match="not stepped"):
+            state.step({"p0": torch.randn(3000), "p1": g}, step=1, names=["p1"], **KW)
+        assert state.failed is None
+
+
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
 def test_one_large_parameter_matches_adamw_step(tmp_path, moments):
     n = 300_001  # many segments of one tensor: bf16 rounding continues across segment borders

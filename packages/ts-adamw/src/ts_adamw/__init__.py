@@ -77,4 +77,4 @@ __all__ = [
     "sum_of_squares",
     "usable_cores",
 ]
-__version__ = "0.1.0"
+__version__ = "0.7.0"

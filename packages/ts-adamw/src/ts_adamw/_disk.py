@@ -331,19 +331,34 @@ class DiskState:
 
     # ---- the step -------------------------------------------------------------------------------------------
 
-    def _by_name(self, tensors, what: str, dtypes: tuple, dtype_text: str) -> list[torch.Tensor]:
+    def _selected(self, names) -> list[int]:
+        """The indices of the parameters a step updates: all, or ``names`` (each known, each once)."""
+        if names is None:
+            return list(range(len(self._names)))
+        if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+            raise ValueError("DiskState.step: names must be None (every parameter) or a non-empty list of names")
+        unknown = [n for n in names if n not in self._index]
+        if unknown:
+            raise ValueError(f"DiskState.step: names has unknown parameters {unknown[:5]}")
+        if len(set(names)) != len(names):
+            raise ValueError("DiskState.step: names lists a parameter twice")
+        return [self._index[n] for n in names]
+
+    def _by_name(self, tensors, what: str, dtypes: tuple, dtype_text: str, selected: list[int]) -> list[torch.Tensor]:
+        names = [self._names[i] for i in selected]
         if isinstance(tensors, Mapping):
-            missing = [n for n in self._names if n not in tensors]
-            extra = [n for n in tensors if n not in self._index]
+            missing = [n for n in names if n not in tensors]
+            extra = [n for n in tensors if n not in names]
             if missing or extra:
-                raise ValueError(f"DiskState.step: {what} must have one tensor per parameter; missing "
-                                 f"{missing[:5]}, unknown {extra[:5]}")
-            tensors = [tensors[n] for n in self._names]
-        elif not isinstance(tensors, (list, tuple)) or len(tensors) != len(self._names):
+                raise ValueError(f"DiskState.step: {what} must have one tensor per parameter stepped; missing "
+                                 f"{missing[:5]}, unknown or not stepped {extra[:5]}")
+            tensors = [tensors[n] for n in names]
+        elif not isinstance(tensors, (list, tuple)) or len(tensors) != len(names):
             raise ValueError(f"DiskState.step: {what} must be a mapping from name to tensor, or a list of "
-                             f"{len(self._names)} tensors in the order of .names")
+                             f"{len(names)} tensors in the order of names (default .names)")
         out = []
-        for name, shape, t in zip(self._names, self._shapes, tensors):
+        for i, t in zip(selected, tensors):
+            name, shape = self._names[i], self._shapes[i]
             t = plain(t, f"{what}[{name!r}]")
             if t.dtype not in dtypes:
                 raise ValueError(f"DiskState.step: {what}[{name!r}] is {t.dtype}; use {dtype_text}")
@@ -357,9 +372,14 @@ class DiskState:
 
     def step(self, grads, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
              maximize: bool = False, grad_scale: float = 1.0, params_out=None, seed: int = 0,
-             threads: int | None = None) -> None:
+             threads: int | None = None, names: list[str] | None = None) -> None:
         """One AdamW step over the state on disk, as ``adamw_steps`` computes it (same arguments; ``grads`` and
         ``params_out`` map each name to a CPU tensor, or are lists in the order of ``.names``).
+
+        ``names``: step only these parameters (``grads`` and ``params_out`` then cover them alone, lists in
+        this order); the others' state is left as it is, bit for bit, though a segment they share with a
+        stepped parameter is read and written back. A trainer steps each bucket of gradients this way as it
+        arrives.
 
         What a failure leaves: invalid input raises ``ValueError`` before any I/O. A segment is updated only
         from buffers whose reads completed, so no partially read data reaches the file or ``params_out``. An
@@ -370,29 +390,33 @@ class DiskState:
         the file.
         """
         self._usable("step")
-        grads = self._by_name(grads, "grads", _GRAD_DTYPES, "float32, bfloat16 or float16")
+        selected = self._selected(names)
+        grads = self._by_name(grads, "grads", _GRAD_DTYPES, "float32, bfloat16 or float16", selected)
         outs = None if params_out is None else self._by_name(params_out, "params_out", _GRAD_DTYPES,
-                                                             "bfloat16, float16 or float32")
+                                                             "bfloat16, float16 or float32", selected)
         hyper = (scalar(lr, "lr"), scalar(beta1, "beta1"), scalar(beta2, "beta2"), scalar(eps, "eps"),
                  scalar(weight_decay, "weight_decay"), step_number(step), bool(maximize),
                  scalar(grad_scale, "grad_scale"), seed_number(seed), thread_count(threads))
         # The native checks of every scalar, on scratch tensors, before any I/O.
         _core.step_pieces([torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1, dtype=self.moment_dtype)],
                           [torch.zeros(1, dtype=self.moment_dtype)], [], [0], [0], *hyper)
+        stepped = [self._names[i] for i in selected]
         spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), False, f"grads[{n!r}]")
-                 for n, t in zip(self._names, grads)]
+                 for n, t in zip(stepped, grads)]
         spans += [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), True, f"params_out[{n!r}]")
-                  for n, t in zip(self._names, outs or [])]
+                  for n, t in zip(stepped, outs or [])]
         spans += [(s.raw[0].data_ptr(), s.raw[2].data_ptr() + s.raw[2].numel(), True, f"staging[{i}]")
                   for i, s in enumerate(self._sets)]
         _check_disjoint(spans)
-        self._run(grads, outs, hyper)
+        self._run(dict(zip(selected, grads)), None if outs is None else dict(zip(selected, outs)), hyper)
         if outs is not None:
             bump_versions(outs)
 
     def _update(self, segment: int, staging: _Staging, grads, outs, hyper) -> None:
         ps, gs, ms, vs, os_, slots, offsets = [], [], [], [], [], [], []
         for i, local, at, count in self._pieces(segment):
+            if i not in grads:  # not stepped: its values go back to the file as they were read
+                continue
             ps.append(staging.views[0][at:at + count])
             ms.append(staging.views[1][at:at + count])
             vs.append(staging.views[2][at:at + count])
@@ -403,8 +427,22 @@ class DiskState:
             offsets.append(local)
         _core.step_pieces(ps, gs, ms, vs, os_, slots, offsets, *hyper)
 
-    def _run(self, grads, outs, hyper) -> None:
-        depth, count = len(self._sets), len(self._segments)
+    def _segments_of(self, selected) -> list[int]:
+        """The segments that hold any value of the selected parameters, in file order."""
+        out: list[int] = []
+        for i in sorted(selected):
+            start = self._starts[i]
+            end = self._starts[i + 1] if i + 1 < len(self._starts) else self.total
+            for k in range(start // self.segment_values, -(-end // self.segment_values)):
+                if end > start and (not out or out[-1] < k):
+                    out.append(k)
+        return out
+
+    def _run(self, grads: dict, outs: dict | None, hyper) -> None:
+        """Steps the segments of the parameters in ``grads`` (index -> flat gradient): read ahead, update,
+        write behind, through the staging sets in turn."""
+        order = self._segments_of(grads)
+        depth, count = len(self._sets), len(order)
         ahead = 0 if depth == 1 else max(1, depth - 2)  # segments read ahead; one set is left to write behind
         reads: dict[int, list[int]] = {}
         issued = 0
@@ -413,8 +451,8 @@ class DiskState:
         stats = self._stats = {"read_wait_s": 0.0, "write_wait_s": 0.0, "update_s": 0.0, "step_s": 0.0}
         started = clock()
         try:
-            for k in range(count):
-                while issued < min(k + 1 + ahead, count):
+            for j in range(count):
+                while issued < min(j + 1 + ahead, count):
                     staging = self._sets[issued % depth]
                     writes, staging.writes = staging.writes, []
                     t = clock()
@@ -422,19 +460,19 @@ class DiskState:
                     stats["write_wait_s"] += clock() - t
                     if error is not None:
                         raise error
-                    reads[issued] = self._submit("read", issued, staging)
+                    reads[issued] = self._submit("read", order[issued], staging)
                     issued += 1
                 t = clock()
-                error = self._drain(reads.pop(k))
+                error = self._drain(reads.pop(j))
                 stats["read_wait_s"] += clock() - t
                 if error is not None:
                     raise error
-                staging = self._sets[k % depth]
+                staging = self._sets[j % depth]
                 changed = True
                 t = clock()
-                self._update(k, staging, grads, outs, hyper)
+                self._update(order[j], staging, grads, outs, hyper)
                 stats["update_s"] += clock() - t
-                staging.writes = self._submit("write", k, staging)
+                staging.writes = self._submit("write", order[j], staging)
             t = clock()
             for staging in self._sets:
                 writes, staging.writes = staging.writes, []
