@@ -68,4 +68,4 @@ __all__ = [
     "unwrap",
     "wrap",
 ]
-__version__ = "0.1.0"
+__version__ = "0.7.0"

@@ -6,4 +6,4 @@ from ._cache import PagedKVCache
 from ._pool import HostPagePool
 
 __all__ = ["HostPagePool", "PagedKVCache"]
-__version__ = "0.1.0"
+__version__ = "0.7.0"

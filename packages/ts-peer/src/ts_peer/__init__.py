@@ -12,4 +12,4 @@ from ._support import peer_support, pool_budgets
 
 __all__ = ["DeviceBuffer", "IpcHandle", "PeerPool", "assign_blocks", "cuda_available", "peer_support", "pool_blocks",
            "pool_budgets", "split_free_vram"]
-__version__ = "0.1.0"
+__version__ = "0.7.0"

@@ -19,4 +19,4 @@ __all__ = [
     "reserve_pinned",
     "staging_stats",
 ]
-__version__ = "0.1.0"
+__version__ = "0.7.0"

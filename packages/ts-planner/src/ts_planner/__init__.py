@@ -35,4 +35,4 @@ __all__ = [
     "state_share",
     "weight_bytes",
 ]
-__version__ = "0.1.0"
+__version__ = "0.7.0"

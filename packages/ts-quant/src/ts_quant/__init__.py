@@ -32,4 +32,4 @@ __all__ = [
     "swizzle_block_scales",
     "unpack_bf16",
 ]
-__version__ = "0.1.0"
+__version__ = "0.7.0"
