@@ -38,6 +38,7 @@ class OptimizerConfig:
     lr: float = _DEFAULT["lr"]  # only when wrap() makes the optimizer
     seed: int = _DEFAULT["seed"]  # stochastic rounding of bf16 moments
     guard_params: bool = _DEFAULT["guard_params"]  # reads after step() see the update
+    nvme_path: Any = _DEFAULT["nvme_path"]  # a directory for the state that does not fit in host RAM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RuntimeConfig:
 
     device: Any = _DEFAULT["device"]
     check_memory: bool = _DEFAULT["check_memory"]  # refuse up front what cannot fit
+    host_budget: int | None = _DEFAULT["host_budget"]  # host RAM the optimizer state may take (None: measured)
     vram_headroom: float = _DEFAULT["vram_headroom"]
     attention: Any = _DEFAULT["attention"]
     distributed: bool | None = _DEFAULT["distributed"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from dataclasses import field
 from typing import Any
 
@@ -85,6 +86,22 @@ class WrapOptions:
         "allocated and with the numbers, a run whose optimizer state does not fit in the page-lock budget, or whose "
         "plan (ts-planner's memory model at one sequence of 2,048 tokens, or weights and optimizer state for models "
         "without a decoder config) does not fit even at one token per step. `False` goes ahead anyway"))
+    host_budget: int | None = field(default=None, metadata=_doc(
+        "`None`, integer ≥ 1 (bytes)",
+        "Host RAM the optimizer state may take (master weights, moments, gradient and upload buffers). `None`: the "
+        "page-lock budget ts-pinned measures (a share of available RAM within the memlock limit; under torchrun "
+        "1/N per local process). Set it lower to leave RAM to something else on the machine; with `nvme_path` what "
+        "does not fit goes to disk, without it `check_memory` refuses the run",
+        shown="`None` (the measured page-lock budget)"))
+    nvme_path: str | None = field(default=None, metadata=_doc(
+        "`None`, a directory (str or path)",
+        "A directory on a fast local disk for the optimizer state that does not fit in host RAM: the plan puts the "
+        "fp32 master weights and moments of the fewest parameters there (the last registered first: backward "
+        "reaches them first), in one scratch file read and written with direct I/O through a few staging buffers "
+        "([adamw.md](adamw.md#optimizer-state-on-disk)); each bucket's update reads, updates and writes its "
+        "state on the host worker as its gradients arrive. The file has no name on disk and disappears at "
+        "`unwrap()` or when the process ends. Bit-exact against the state in RAM (CPU tests). `None`: the state "
+        "stays in RAM, and a run whose state does not fit is refused with the numbers"))
     vram_headroom: float = field(default=0.10, metadata=_doc(
         "fraction in [0, 1)",
         "Share of the usable VRAM the automatic placement leaves free. Raise it when something else shares the GPU"))
@@ -323,6 +340,9 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
     opts.accumulation_steps = _integer("accumulation_steps", opts.accumulation_steps, 1, _MAX_INT32)
     if opts.threads is not None:
         opts.threads = _integer("threads", opts.threads, 1, thread_limit(), "None (all usable cores) or ")
+    if opts.host_budget is not None:
+        opts.host_budget = _integer("host_budget", opts.host_budget, 1, 2**62, "None (the measured budget) or ")
+    opts.nvme_path = _directory_option(opts.nvme_path)
     opts.vram_headroom = _real("vram_headroom", opts.vram_headroom, "a fraction in [0, 1)", upper=1.0)
     opts.lr = _real("lr", opts.lr, "a finite number >= 0")
     opts.seed = _integer("seed", opts.seed, 0, 2**63 - 1)
@@ -356,6 +376,19 @@ def parse_options(options: dict[str, Any]) -> WrapOptions:
 
 
 _MAX_INT32 = 2**31 - 1
+
+
+def _directory_option(value: Any) -> str | None:
+    """nvme_path's value as a string path (it need not exist yet: planning checks it, naming it)."""
+    if value is None:
+        return None
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        path = None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"nvme_path={value!r} is not valid; use None or a directory path (str or os.PathLike)")
+    return path
 
 
 def thread_limit() -> int:

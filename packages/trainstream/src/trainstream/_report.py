@@ -63,6 +63,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             "host_calls": session.engine.host.calls,
             "placements": placements,
             "last_grad_norm": session.engine.last_grad_norm,
+            "disk": None if session.engine.disk is None else session.engine.disk.report(),
         },
         "resident": all(s.placement == "device" for s in slots),
         "params": _quantized(session),

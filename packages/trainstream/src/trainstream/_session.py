@@ -22,9 +22,11 @@ from .activations.policy import ActivationPolicy
 from .attention import AttentionChooser, resolve_wrap_default
 from .distributed.sharding import host_shares
 from .engine import ForwardGuard, ParamSlot, UpdateEngine, interrupts
+from .engine.disk_tier import DiskTier
 from .engine.hooks import EngineHook
 from .engine.placement_trial import MappedTrial
-from .engine.slots import dense_layout_problem
+from .engine.slots import dense_layout_problem, flat
+from .memory.disk_plan import segment_values
 from .memory.sizing import GiB, device_state_bytes, vram_budget
 from .planning.plan import Transition
 from .weights import peer
@@ -154,6 +156,8 @@ class TrainStreamSession:
         try:
             if self.weights is not None:
                 self._bind_streamed_slots(slots)
+            if plan.disk_state:
+                self._put_state_on_disk([trained[i] for i in plan.disk_state], options.nvme_path)
             for slot in trained:
                 self.engine.activate(slot)
             if shards is not None:
@@ -193,6 +197,7 @@ class TrainStreamSession:
             self._start_stall_clock()
         except BaseException:
             self.close()
+            self.engine.release_disk()  # nothing will export its state: a failed wrap() changes nothing
             raise
         what = {"host": "host AdamW on CPU threads", "mapped": "CUDA AdamW over mapped host memory (zero-copy)"}
         self.events.add("optimizer", f"optimizer_mode={mode!r}: {what[initial]}; gradients stream to host memory "
@@ -218,6 +223,20 @@ class TrainStreamSession:
         if streamed:
             self.engine.streamer = weights
             weights.bind_updates(slots, self.engine.host.wait_applied)
+
+    def _put_state_on_disk(self, slots: list[ParamSlot], directory: str) -> None:
+        """The plan's disk tier: these slots' master weights and moments in one scratch file (slots.py,
+        invariant 7b), made from their weights before any of them is activated."""
+        streamer = self.engine.streamer
+        values = [streamer.host_copy(s.param) if s.streamed else flat(s.param.detach()) for s in slots]
+        tier = DiskTier(slots, values, directory, self.moment_dtype, segment_values(sum(s.numel for s in slots)))
+        self.engine.disk = tier
+        for slot in slots:
+            slot.disk = tier
+        self.events.add("optimizer", f"nvme_path: the master weights and moments of {len(slots)} parameters "
+                                     f"({fmt_bytes(tier.state.nbytes)}) are in a scratch file in {directory!r} "
+                                     f"({'direct I/O' if tier.state.direct else 'buffered I/O: the filesystem has no O_DIRECT'});"
+                                     f" their updates read and write it on the host worker")
 
     def _before_load(self, state_dict: dict, prefix: str) -> None:
         if self.weights is not None:

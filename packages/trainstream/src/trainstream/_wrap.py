@@ -217,10 +217,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     finally:
         optimizer = session.optimizer
         if isinstance(optimizer, OffloadAdamW):
-            for slot in session.engine.active:
-                optimizer.state[slot.param] = slot.export()
+            try:
+                for slot in session.engine.active:
+                    optimizer.state[slot.param] = slot.export()
+            finally:
+                session.engine.release_disk()
             optimizer._session = None
             optimizer._loop_check = None
+        session.engine.release_disk()
         del model._trainstream_session
         model.__dict__.pop("__deepcopy__", None)
     return model

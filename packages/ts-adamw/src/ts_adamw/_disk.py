@@ -171,6 +171,10 @@ class DiskState:
     a time. Everything is released by ``close()`` (or when the object is collected, or the process ends).
     """
 
+    SEGMENT_QUANTUM = SEGMENT_QUANTUM  # segment_values is a multiple of it
+    DEFAULT_SEGMENT_VALUES = DEFAULT_SEGMENT_VALUES
+    DEFAULT_DEPTH = DEFAULT_DEPTH  # staging sets allocated when neither depth nor staging is given
+
     def __init__(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                  directory: str | os.PathLike, *, moment_dtype: torch.dtype = torch.float32,
                  segment_values: int = DEFAULT_SEGMENT_VALUES, depth: int | None = None,

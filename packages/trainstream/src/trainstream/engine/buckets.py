@@ -50,7 +50,7 @@ class GradBuckets:
         The caller has taken every pending gradient first."""
         buckets, current, values = [], [], 0
         for slot in slots:
-            if slot.hook is None or slot.placement != "host" or slot.master is None:
+            if slot.hook is None or slot.placement != "host" or slot.grad_host is None:
                 continue
             if current and (values + slot.numel > updates.BATCH_MAX_VALUES
                             or len(current) >= updates.BATCH_MAX_ITEMS):

@@ -107,6 +107,7 @@ class UpdateEngine(ChannelOwner):
         # its host copy (``host_copy``) and hears of each queued update (``update_queued``).
         self.streamer = None
         self.frozen_streamed: set[int] = set()  # ids of weights streamed as frozen: they cannot start training
+        self.disk = None  # the DiskTier of the slots whose state is on disk (nvme_path), set by the session
 
     def observe(self, observer) -> None:
         """The stall clock (or None): times this engine's waits on its channel as link waits, and the
@@ -563,7 +564,8 @@ class UpdateEngine(ChannelOwner):
         """Moves slots to a placement (after synchronize()); returns the values moved."""
         moved = 0
         for slot in slots:
-            if slot.placement != placement and not slot.streamed:  # streamed: on the host (invariant 7)
+            # Streamed and disk slots stay on the host (slots.py, invariants 7 and 7b).
+            if slot.placement != placement and not slot.streamed and slot.disk is None:
                 self._batches = None
                 slot.move_to(placement, self.arena)
                 with interrupts.critical():
@@ -571,8 +573,14 @@ class UpdateEngine(ChannelOwner):
                 moved += slot.numel
         return moved
 
+    def release_disk(self) -> None:
+        """Frees the disk tier's file (after close(): unwrap() first exports the state it holds)."""
+        if self.disk is not None:
+            self.disk.close()
+
     def close(self) -> None:
-        """Waits for every update, then removes the hooks and stops the worker, whatever fails."""
+        """Waits for every update, then removes the hooks and stops the worker, whatever fails. The disk
+        tier stays readable until ``release_disk()``."""
         try:
             self.synchronize()
         finally:

@@ -34,6 +34,10 @@ Invariants (checked by tests/test_engine_state_machine.py):
      streamer's host copy of the weight: the worker writes the rounded update there and uploads
      nothing (the block's next fetch carries it). ``upload_event`` is then the streamer's newest copy
      *reading* that host copy, which the worker waits for before writing it.
+  7b. A slot *on disk* (``disk`` set once, at wrap(), to the engine's ``DiskTier``: nvme_path) is placed on
+     the host and keeps its master and moments in the tier's file, not in ``master``/``exp_avg``/
+     ``exp_avg_sq`` (None); ``grad_host`` and ``out_host`` (never the master) are in RAM as for any host
+     slot. It never moves to another placement.
   8. A QUEUED slot's update is in the worker's queue or running (``HostUpdater.holds``), except inside the
      critical section that queues it. Should an exception still separate the two (a failed submit), the
      engine queues the update at the slot's next wait, at step() or at synchronize() (``_requeue_orphans``),
@@ -147,6 +151,7 @@ class ParamSlot:
     hook: object = None
     owned: bool = True  # data parallel: this rank keeps the state and runs the update (set once, at wrap())
     streamed_block: int | None = None  # invariant 7: the streamed block holding the weight (set once, at wrap())
+    disk: object = None  # invariant 7b: the DiskTier holding master and moments (set once, at wrap())
 
     # Counts allocate() and load() calls of every slot (new buffers, or a step set from outside): the
     # engine's cached launch arguments are rebuilt when it moved. A class attribute, not a field.
@@ -186,7 +191,10 @@ class ParamSlot:
 
     def follow_weight(self) -> None:
         """The master takes the user's weight (moments and step stay, as torch's AdamW keeps them)."""
-        self.master.copy_(flat(self.param.detach()))
+        if self.disk is not None:
+            self.disk.write(self, master=flat(self.param.detach()))
+        else:
+            self.master.copy_(flat(self.param.detach()))
         self.note_weight()
 
     # ---- buffers ----------------------------------------------------------------
@@ -210,6 +218,15 @@ class ParamSlot:
             raise AssertionError(f"{self.label}: a streamed weight's state is on the host, made from its host copy")
         p = flat(self.param.detach()) if host_copy is None else host_copy
         n = p.numel()
+        if self.disk is not None:
+            if placement != "host":
+                raise AssertionError(f"{self.label}: a state on disk is updated on the host (invariant 7b)")
+            grad_host = arena.empty(n, p.dtype, tag="grads")
+            out_host = p if self.streamed else arena.empty(n, p.dtype, tag="weights")
+            self.master = self.exp_avg = self.exp_avg_sq = None
+            self.grad_host, self.out_host, self.placement = grad_host, out_host, placement
+            ParamSlot.buffer_changes += 1
+            return
         if placement == "device":
             master = p.to(torch.float32, copy=True)
             exp_avg = torch.zeros(n, dtype=moment_dtype, device=p.device)
@@ -236,8 +253,9 @@ class ParamSlot:
         """Moves master and moments to another placement, keeping their values (slot not QUEUED)."""
         if placement == self.placement:
             return
-        if self.streamed:
-            raise AssertionError(f"{self.label}: a streamed weight's state stays on the host (invariant 7)")
+        if self.streamed or self.disk is not None:
+            raise AssertionError(f"{self.label}: a streamed weight's or a disk slot's state stays on the host "
+                                 f"(invariants 7, 7b)")
         master, exp_avg, exp_avg_sq = self.master, self.exp_avg, self.exp_avg_sq
         self.allocate(placement, exp_avg.dtype, arena)
         self.master.copy_(master)
@@ -251,21 +269,43 @@ class ParamSlot:
         def out(buffer):
             return shaped(buffer.detach(), like).to("cpu", copy=True).contiguous()
 
-        return {"step": torch.tensor(float(self.step)), "exp_avg": out(self.exp_avg),
-                "exp_avg_sq": out(self.exp_avg_sq), "master_param": out(self.master)}
+        master, exp_avg, exp_avg_sq = ((self.master, self.exp_avg, self.exp_avg_sq) if self.disk is None
+                                       else self.disk.read(self))
+        return {"step": torch.tensor(float(self.step)), "exp_avg": out(exp_avg),
+                "exp_avg_sq": out(exp_avg_sq), "master_param": out(master)}
 
     def load(self, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, master: torch.Tensor | None) -> None:
         """Takes saved state (validated by the caller), the master from the weight when none is given,
         and rewrites the weight from the master."""
         like = self.param.detach()
-        shaped(self.exp_avg, like).copy_(exp_avg.reshape(like.shape))
-        shaped(self.exp_avg_sq, like).copy_(exp_avg_sq.reshape(like.shape))
-        if master is not None:
-            shaped(self.master, like).copy_(master.reshape(like.shape))
+        if self.disk is not None:
+            self._load_on_disk(like, exp_avg, exp_avg_sq, master)
         else:
-            self.master.copy_(flat(like))
+            shaped(self.exp_avg, like).copy_(exp_avg.reshape(like.shape))
+            shaped(self.exp_avg_sq, like).copy_(exp_avg_sq.reshape(like.shape))
+            if master is not None:
+                shaped(self.master, like).copy_(master.reshape(like.shape))
+            else:
+                self.master.copy_(flat(like))
         self.step = int(step)
-        # A streamed weight is written to its host copy; the caller drops a resident device copy.
-        (self.out_host if self.streamed else flat(self.param.data)).copy_(self.master)
+        if self.disk is None or master is not None:
+            # A streamed weight is written to its host copy; the caller drops a resident device copy.
+            new = self.master if self.disk is None else _memory_order(master, like, torch.float32)
+            (self.out_host if self.streamed else flat(self.param.data)).copy_(new)
         self.note_weight()
         ParamSlot.buffer_changes += 1
+
+    def _load_on_disk(self, like: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                      master: torch.Tensor | None) -> None:
+        """load() for a slot on disk: the file takes the state in the parameter's memory order."""
+        moments = self.disk.moment_dtype
+        self.disk.write(self, master=_memory_order(master if master is not None else like, like, torch.float32),
+                        exp_avg=_memory_order(exp_avg, like, moments),
+                        exp_avg_sq=_memory_order(exp_avg_sq, like, moments))
+
+
+def _memory_order(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (``like``'s shape) as a flat CPU tensor in ``like``'s memory order."""
+    out = torch.empty(like.numel(), dtype=dtype)
+    shaped(out, like).copy_(values.reshape(like.shape))
+    return out

@@ -223,9 +223,19 @@ def _joins(batch_values: int, first: ParamSlot, other: ParamSlot) -> bool:
     """Whether `other`'s update may join a host call that starts with `first`'s and holds `batch_values`
     values so far (see BATCH_MAX_VALUES)."""
     return (batch_values + other.numel <= BATCH_MAX_VALUES and other.step == first.step
-            and other.exp_avg.dtype == first.exp_avg.dtype
+            and other.disk is first.disk  # one tier's step, or one adamw_steps call over RAM
+            and (first.disk is not None or other.exp_avg.dtype == first.exp_avg.dtype)
             and (other.out_host is other.master) == (first.out_host is first.master)
             and other.hyper == first.hyper)
+
+
+def _what_failed(slot: ParamSlot, applied: bool) -> str:
+    if applied:
+        return "its new weight could not be written back (master and moments hold the update)"
+    if slot.disk is not None and slot.disk.state.failed is not None:
+        return (f"its state on disk at {slot.disk.directory!r} is unusable: the step failed part-way, some segments "
+                f"hold it and others do not; resume from a checkpoint")
+    return "nothing was changed"
 
 
 def _distinct(tokens: list) -> list:
@@ -389,8 +399,9 @@ class HostUpdater:
             applied = True
         except BaseException as failure:  # reported once, at the next sync point
             error = failure
-        if error is not None and len(batch) > 1:
+        if error is not None and len(batch) > 1 and slots[0].disk is None:
             # adamw_steps changes nothing when it raises: one by one, only the update that fails is reported.
+            # (A disk tier's failure is its file's, not one update's: the whole batch is reported.)
             for item in batch:
                 self._apply([item])
             return
@@ -410,12 +421,20 @@ class HostUpdater:
     def _adamw(self, slots: list[ParamSlot]) -> None:
         first = slots[0]
         started = time.perf_counter()
+        if first.disk is not None:  # the state is on disk (slots.py, invariant 7b): read, update, write back
+            first.disk.step(slots, first.hyper.kwargs(first.step + 1))
+        else:
+            self._adamw_in_ram(slots)
+        self.busy_seconds += time.perf_counter() - started
+        self.calls += 1
+
+    @staticmethod
+    def _adamw_in_ram(slots: list[ParamSlot]) -> None:
+        first = slots[0]
         ts_adamw.adamw_steps([s.master for s in slots], [s.grad_host for s in slots], [s.exp_avg for s in slots],
                              [s.exp_avg_sq for s in slots],
                              params_out=None if first.out_host is first.master else [s.out_host for s in slots],
                              keys=[s.index & 0xFFFFFFFF for s in slots], **first.hyper.kwargs(first.step + 1))
-        self.busy_seconds += time.perf_counter() - started
-        self.calls += 1
 
     def _handled(self, batch: list[tuple[int, ParamSlot]], applied: bool, error: BaseException | None,
                  upload_error: BaseException | None) -> None:
@@ -427,8 +446,7 @@ class HostUpdater:
                     slot.step += 1
                     self.updates += 1
                 if failed is not None:
-                    what = ("its new weight could not be written back (master and moments hold the update)"
-                            if applied else "nothing was changed")
+                    what = _what_failed(slot, applied)
                     self._errors.append((slot, failed))
                     self._events.add("error", f"host update of {slot.label} failed ({what}): {failed!r}")
                 slot.move(SlotState.IDLE)

@@ -12,6 +12,7 @@ import ts_planner
 
 from .._units import fmt_bytes, fmt_seconds
 from ..engine.slots import ParamSlot
+from .disk_plan import MIN_DISK_VALUES, choose_disk_state
 
 __all__ = ["PLAN_BATCH", "PLAN_SEQ", "HostPlan", "ModelFacts", "PlanRefused", "WrapPlan", "describe_model",
            "device_state_bytes", "host_state_bytes", "plan_host_memory", "plan_wrap", "vram_budget", "wrap_budget"]
@@ -43,43 +44,73 @@ def device_state_bytes(slot: ParamSlot) -> int:
 @dataclasses.dataclass(frozen=True)
 class HostPlan:
     moment_dtype: torch.dtype
-    needed: int  # bytes of page-locked host memory
+    needed: int  # bytes of page-locked host memory (with the disk tier: its pageable staging included)
     available: int  # page-lock budget (bytes)
     message: str
+    on_disk: tuple[int, ...] = ()  # positions (in the parameters planned) whose state is on disk
+    disk_bytes: int = 0  # the disk tier's file
+    staging_bytes: int = 0  # the disk tier's staging buffers (pageable host RAM, part of ``needed``)
 
 
 def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: str, check: bool,
-                     on_gpu: bool = True) -> HostPlan:
-    """Chooses the moment precision and checks that the host state fits the page-lock budget (``on_gpu`` False:
-    the message calls it the host RAM budget, as nothing is page-locked for a run on the CPU)."""
+                     on_gpu: bool = True, limit: int | None = None, nvme_path: str | None = None) -> HostPlan:
+    """Chooses the moment precision, and with ``nvme_path`` the parameters whose state goes to disk
+    (``disk_plan.choose_disk_state``), and checks that the host state fits the budget: the page-lock budget,
+    or ``limit`` when lower (``on_gpu`` False: the message calls it the host RAM budget, as nothing is
+    page-locked for a run on the CPU)."""
     machine = ts_pinned.page_lock_budget()
     # Processes launched together on one machine (torchrun, Slurm) share its RAM: each plans with 1/n.
     local = ts_planner.local_process_count()
-    budget = ts_pinned.page_lock_budget(processes=local) if local > 1 else machine
+    measured = ts_pinned.page_lock_budget(processes=local) if local > 1 else machine
+    budget = measured.budget if limit is None else min(limit, measured.budget)
     needs = {
         name: sum(host_state_bytes(p, placement, size) for p in params)
         for name, size in (("float32", 4), ("bfloat16", 2))
     }
     if moment_dtype == "auto":
-        chosen = "float32" if needs["float32"] <= budget.budget else "bfloat16"
+        chosen = "float32" if needs["float32"] <= budget else "bfloat16"
         why = ("fp32 moments fit" if chosen == "float32" else
-               f"fp32 moments would need {fmt_bytes(needs['float32'])}, more than the {fmt_bytes(budget.budget)} budget")
+               f"fp32 moments would need {fmt_bytes(needs['float32'])}, more than the {fmt_bytes(budget)} budget")
     else:
         chosen, why = moment_dtype, "as requested"
     needed = needs[chosen]
-    if check and needed > budget.budget:
+    disk = None
+    if needed > budget and nvme_path is not None:
+        size = 4 if chosen == "float32" else 2
+        disk = choose_disk_state(params, [host_state_bytes(p, placement, size) for p in params],
+                                 getattr(torch, chosen), budget)
+        needed = disk.ram_bytes
+    kind = "page-lock" if on_gpu else "host RAM"
+    named = "host_budget" if limit is not None and limit <= measured.budget else f"{kind} budget"
+    if check and needed > budget:
+        if disk is not None:
+            raise MemoryError(
+                f"the optimizer state does not fit in host RAM even with {len(disk.on_disk)} of {len(params)} trained "
+                f"parameters' master weights and moments ({fmt_bytes(disk.disk_bytes)}) on disk at {nvme_path!r}: "
+                f"host RAM still needs {fmt_bytes(needed)} (gradient and upload buffers, "
+                f"{fmt_bytes(disk.staging_bytes)} of staging, the state of parameters under "
+                f"{MIN_DISK_VALUES} values) but the {named} is {fmt_bytes(budget)} "
+                f"({fmt_bytes(measured.mem_available)} available); train fewer parameters (LoRA), free host RAM, "
+                f"or pass check_memory=False to try anyway.")
+        limited = f" (host_budget={limit})" if named == "host_budget" else ""
         raise MemoryError(
             f"the optimizer state needs {fmt_bytes(needed)} of page-locked host RAM ({chosen} moments, "
-            f"{placement} placement) but only {fmt_bytes(budget.budget)} can be used "
-            f"({fmt_bytes(budget.mem_available)} available). bfloat16 moments would need "
-            f"{fmt_bytes(needs['bfloat16'])}; otherwise train fewer parameters (LoRA), free host RAM, "
-            f"or pass check_memory=False to try anyway."
+            f"{placement} placement) but only {fmt_bytes(budget)} can be used{limited} "
+            f"({fmt_bytes(measured.mem_available)} available). bfloat16 moments would need "
+            f"{fmt_bytes(needs['bfloat16'])}; otherwise give nvme_path= a directory on a fast local disk for the "
+            f"state that does not fit, train fewer parameters (LoRA), free host RAM, or pass check_memory=False to "
+            f"try anyway."
         )
     share = f" (1/{local} of the machine's {fmt_bytes(machine.budget)}: {local} local processes)" if local > 1 else ""
     message = (f"{sum(p.numel() for p in params) / 1e6:.1f} M trained parameters: {chosen} moments ({why}); "
-               f"{fmt_bytes(needed)} of host state, {'page-lock' if on_gpu else 'host RAM'} budget "
-               f"{fmt_bytes(budget.budget)}{share}")
-    return HostPlan(getattr(torch, chosen), needed, budget.budget, message)
+               f"{fmt_bytes(needed)} of host state, {named} {fmt_bytes(budget)}{share}")
+    if disk is None:
+        return HostPlan(getattr(torch, chosen), needed, budget, message)
+    message += (f"; the master weights and moments of {len(disk.on_disk)} of {len(params)} trained parameters "
+                f"({fmt_bytes(disk.disk_bytes)}) live on disk at {nvme_path!r}, the last registered first (backward "
+                f"reaches them first), with {fmt_bytes(disk.staging_bytes)} of staging buffers")
+    return HostPlan(getattr(torch, chosen), needed, budget, message, disk.on_disk, disk.disk_bytes,
+                    disk.staging_bytes)
 
 
 def vram_budget(device: torch.device, headroom: float) -> int:

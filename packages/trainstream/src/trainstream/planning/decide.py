@@ -6,8 +6,9 @@ order, each step reading only what the steps before it settled:
 
   1. the training device;
   2. host_embedding: the input embedding's table stays in host memory (a GPU run with a candidate);
-  3. moment_dtype: fp32 moments where the optimizer state fits the page-lock budget, else bf16
-     (``memory.sizing.plan_host_memory``; under data parallel the largest rank's share);
+  3. moment_dtype: fp32 moments where the optimizer state fits the page-lock budget (or host_budget),
+     else bf16 (``memory.sizing.plan_host_memory``; under data parallel the largest rank's share); with
+     nvme_path, the state that still does not fit goes to disk (``memory.disk_plan``);
   4. param_offload: which blocks stream (the fewest with which the plan fits, in ts-planner's spread
      order), and the quantization that implies when nothing fits resident;
   5. stream_packing: streamed bf16 weights cross the link packed, where host RAM holds both copies;
@@ -27,12 +28,14 @@ import ts_planner
 from .._config import Config
 from .._dropped import collect_dropped
 from .._options import WrapOptions, parse_options
+from .._units import fmt_bytes
 from ..activations.lora_inputs import eligible_layers
 from ..activations.policy import blocks_of, streamed_blocks_of
 from ..distributed.composition import check_composable
 from ..distributed.fsdp import sharded_by_fsdp2
 from ..engine.slots import is_dtensor
 from ..memory.blocks import find_blocks
+from ..memory.disk_plan import check_disk_directory, disk_free_bytes
 from ..memory.sizing import (
     PLAN_BATCH,
     PLAN_SEQ,
@@ -107,13 +110,17 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
     if opts.moment_dtype == "auto":
         decisions.append(Decision("moment_dtype", _dtype_name(host.moment_dtype), host.message))
     moments = _dtype_name(host.moment_dtype)
+    if host.on_disk:
+        decisions.append(Decision("nvme_path", opts.nvme_path, (
+            f"the master weights and moments of {len(host.on_disk)} trained parameters ({fmt_bytes(host.disk_bytes)})"
+            f" live in a scratch file there: host RAM does not hold all of the optimizer state")))
 
     facts = describe_model(model, blocks)
     if (opts.quantize not in ("auto", None) and not facts.quantized and blocks
             and all(p.requires_grad for b in blocks for p in b.parameters())):  # nothing frozen to store quantized
         raise ValueError(f"quantize={opts.quantize!r} stores frozen weights, and every parameter of this model trains "
                          f"(a full fine-tune): freeze the base and train LoRA adapters (peft), or use quantize=None")
-    inputs = (blocks, facts, wrap_budget(device, opts, facts))
+    inputs = (blocks, facts, _beside_disk(wrap_budget(device, opts, facts), host))
     if streamed is None:
         offload, why, implied = _auto_param_offload(opts, inputs, moments)
         decisions.append(Decision("param_offload", offload, why))
@@ -142,6 +149,7 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
     resolved = dataclasses.replace(opts, quantize=fmt, blocks=blocks or None)
     return Plan(device=device, streamed_blocks=tuple(streamed), quantize=fmt, moment_dtype=host.moment_dtype,
                 memory=memory, host_message=host.message, host_state_bytes=host.needed_own,
+                disk_state=host.on_disk, disk_state_bytes=host.disk_bytes,
                 decisions=tuple(decisions), notes=tuple(notes), resolved=tuple(resolved.as_dict().items()),
                 made_for=fingerprint(model, optimizer))
 
@@ -151,7 +159,8 @@ def _under_fsdp2(opts: WrapOptions, decisions: list) -> WrapOptions:
     placements (streaming, quantizing, the host embedding) do not apply to sharded parameters yet; set
     explicitly, they are refused."""
     given = {"distributed": opts.distributed is True, "param_offload": opts.param_offload not in (False, "auto"),
-             "quantize": opts.quantize not in ("auto", None), "host_embedding": opts.host_embedding is True}
+             "quantize": opts.quantize not in ("auto", None), "host_embedding": opts.host_embedding is True,
+             "nvme_path": opts.nvme_path is not None}
     refused = [name for name, on in given.items() if on]
     if refused:
         raise ValueError(f"{', '.join(refused)} cannot be used on a model sharded by FSDP2 (fully_shard): FSDP2 "
@@ -186,8 +195,11 @@ def _host_embedding(model: torch.nn.Module, device: torch.device, opts) -> tuple
 @dataclasses.dataclass(frozen=True)
 class _HostState:
     moment_dtype: torch.dtype
-    needed_own: int  # this rank's page-locked bytes
+    needed_own: int  # this rank's host bytes of optimizer state (page-locked, and the disk tier's staging)
     message: str
+    on_disk: tuple[int, ...] = ()  # positions in trained_params() whose master and moments live on disk
+    disk_bytes: int = 0
+    moved_bytes: int = 0  # host bytes the disk tier takes off the state's price in RAM
 
 
 def trained_params(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
@@ -199,8 +211,9 @@ def trained_params(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
 
 
 def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
-    """The moment dtype: the one rule (plan_host_memory) over the largest rank's share of the trained
-    parameters; PlanRefused (check_memory) when even that share's state does not fit page-locked RAM."""
+    """The moment dtype and, with nvme_path, which state lives on disk: the one rule (plan_host_memory)
+    over the largest rank's share of the trained parameters; PlanRefused (check_memory) when even that
+    share's state does not fit the host budget."""
     from .. import distributed as tsd
     from ..distributed.sharding import host_shares
 
@@ -209,17 +222,48 @@ def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
     placement = "mapped" if opts.optimizer_mode == "gpu" else "host"
     params = trained_params(model, optimizer)
     world = tsd.world_of(opts.distributed)
+    if opts.nvme_path is not None:
+        _check_disk_tier(opts, placement, world)
     own, largest = (
         [params[i] for i in share]
         for share in host_shares([p.numel() * p.element_size() for p in params], world,
                                  torch.distributed.get_rank() if world > 1 else 0))
     try:
         host = plan_host_memory(largest, placement, opts.moment_dtype, opts.check_memory,
-                                on_gpu=device.type == "cuda")
+                                on_gpu=device.type == "cuda", limit=opts.host_budget, nvme_path=opts.nvme_path)
     except MemoryError as error:
         raise PlanRefused(str(error)) from None
+    if host.on_disk:  # one process (_check_disk_tier): its share is every trained parameter
+        free = disk_free_bytes(opts.nvme_path)
+        if opts.check_memory and host.disk_bytes > free:
+            raise PlanRefused(f"the optimizer state put on disk needs {fmt_bytes(host.disk_bytes)} at "
+                              f"nvme_path={opts.nvme_path!r} but that filesystem has {fmt_bytes(free)} free; free "
+                              f"space there, give a larger disk, or pass check_memory=False to try anyway")
+        in_ram = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)
+        return _HostState(host.moment_dtype, host.needed, host.message, host.on_disk, host.disk_bytes,
+                          max(0, in_ram - host.needed))
     needed = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)
     return _HostState(host.moment_dtype, needed, host.message)
+
+
+def _beside_disk(budget, host: _HostState):
+    """ts-planner prices the optimizer state in host RAM whole; what the disk tier holds is not there, so
+    the memory model's host budget grows by it (one adjustment, here, rather than a disk term in the model)."""
+    if not host.moved_bytes:
+        return budget
+    return dataclasses.replace(budget, host_bytes=budget.host_bytes + host.moved_bytes,
+                               pinned_bytes=budget.pinned_bytes + host.moved_bytes)
+
+
+def _check_disk_tier(opts, placement: str, world: int) -> None:
+    """nvme_path needs the host optimizer in one process, and a directory this process can write."""
+    if placement != "host":
+        raise ValueError("nvme_path= keeps the state host AdamW reads on disk; optimizer_mode='gpu' reads it from "
+                         "mapped host memory instead. Use optimizer_mode='cpu' (or 'auto') with nvme_path")
+    if world > 1:
+        raise ValueError("nvme_path= is not supported under data parallel yet (each rank's share on its own disk "
+                         "has not been tested); run one process, or leave nvme_path=None")
+    check_disk_directory(opts.nvme_path)
 
 
 # ---- 4. param_offload ----------------------------------------------------------------------------

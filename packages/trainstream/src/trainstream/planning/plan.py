@@ -64,11 +64,13 @@ class Plan:
     moment_dtype: torch.dtype
     memory: WrapPlan
     host_message: str  # the optimizer state's host plan, as the event log says it
-    host_state_bytes: int  # page-locked bytes of this process's optimizer state
+    host_state_bytes: int  # host bytes of this process's optimizer state (page-locked; disk tier staging)
     decisions: tuple[Decision, ...]
     notes: tuple[tuple[str, str], ...]  # (event kind, text) for the session's log
     resolved: tuple[tuple[str, Any], ...]  # the options with every "auto" above settled
     made_for: tuple
+    disk_state: tuple[int, ...] = ()  # positions in the trained parameters whose master and moments are on disk
+    disk_state_bytes: int = 0  # the disk tier's scratch file (nvme_path)
     history: tuple[Transition, ...] = ()  # the run-time transitions since wrap() applied it (adapted())
 
     @property
@@ -91,6 +93,7 @@ class Plan:
         """The plan as plain JSON types: ``memory_report(model)["plan"]``."""
         return {**self.memory.to_dict(), "device": str(self.device), "moment_dtype": _dtype_name(self.moment_dtype),
                 "streamed_block_indices": list(self.streamed_blocks), "host_state_bytes": self.host_state_bytes,
+                "disk_state_bytes": self.disk_state_bytes, "disk_state_params": len(self.disk_state),
                 "decisions": [d.to_dict() for d in self.decisions],
                 "transitions": [t.to_dict() for t in self.history]}
 
