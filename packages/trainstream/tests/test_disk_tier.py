@@ -246,3 +246,38 @@ def test_the_rule_moves_the_least_state_last_registered_first(sizes, fraction, m
         ram_fewer = sum(in_ram) + sum(disk_plan.ram_bytes_on_disk(params[i]) - in_ram[i] for i in fewer)
         staging = disk_plan.staging_bytes(sum(params[i].numel() for i in fewer), moments)
         assert ram_fewer + staging > budget
+
+
+def _llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_a_hugging_face_bf16_full_fine_tune_on_disk_matches_ram_and_its_bound_has_the_disk(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TRAINSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "state").mkdir()
+    options = {"moment_dtype": "float32", "accumulation_steps": 2, "max_grad_norm": 1.0}
+    in_ram = trainstream.plan(_llama(), **options).host_state_bytes
+    budget = in_ram * 3 // 4
+    plan = trainstream.plan(_llama(), nvme_path=tmp_path / "state", host_budget=budget, **options)
+    bound = plan.to_dict()["lower_bound_s"]
+    assert plan.disk_state and bound["disk"] > 0 and bound["total"] >= bound["disk"]
+    assert any("disk at" in text and "GB/s" in text for _kind, text in plan.notes)  # the measured rates
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for extra in ({}, {"nvme_path": tmp_path / "state", "host_budget": budget}):
+        model, opt = trainstream.wrap(_llama(), lr=1e-3, **options, **extra)
+        for _ in range(3):
+            for micro in range(2):  # accumulation_steps=2
+                model(input_ids=ids[micro:micro + 1], labels=ids[micro:micro + 1]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(_params(model))
+        trainstream.unwrap(model)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

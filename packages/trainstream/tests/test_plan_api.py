@@ -185,7 +185,7 @@ def test_the_plan_prices_the_optimizer_state_where_offload_auto_will_put_it():
 
     def priced(budget, **options):
         opts = parse_options({"quantize": None, **options})
-        plan, _ = decide._memory_plan(torch.device("cuda"), opts, ([], facts, budget), [], "float32")
+        plan, _ = decide._memory_plan(torch.device("cuda"), opts, decide._Inputs([], facts, budget, 0.0), [], "float32")
         return plan.plan.options.optimizer
 
     assert priced(gpu) == "gpu"  # 1.5B's state (about 18 GiB with its gradients) fits in 80 GiB

@@ -41,7 +41,7 @@ def _auto(model, opts):
 
     blocks = find_blocks(model)
     facts = describe_model(model, blocks)
-    inputs = (blocks, facts, _decide.wrap_budget(torch.device("cpu"), opts, facts))
+    inputs = _decide._Inputs(blocks, facts, _decide.wrap_budget(torch.device("cpu"), opts, facts), 0.0)
     return _decide._auto_param_offload(opts, inputs, opts.moment_dtype)
 
 

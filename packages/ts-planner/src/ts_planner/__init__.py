@@ -1,8 +1,9 @@
-"""Hardware probes and the memory planner of TrainStream."""
+"""Hardware probes (host memory, the GPU link, a disk) and the memory planner of TrainStream."""
 
 from ._activations import block_saved_tensors, saved_activation_bytes
 from ._budget import Budget, machine_budget
 from ._decide import Plan, check_plan, plan_memory
+from ._disk import DiskRates, disk_rates, measure_disk
 from ._formats import weight_bytes
 from ._local import local_process_count
 from ._memory import MemoryEstimate, Options, estimate_memory, state_share
@@ -14,6 +15,7 @@ __all__ = [
     "LORA_TARGETS",
     "Block",
     "Budget",
+    "DiskRates",
     "HardwareProfile",
     "MemoryEstimate",
     "ModelShape",
@@ -22,9 +24,11 @@ __all__ = [
     "ResidencyPlan",
     "block_saved_tensors",
     "check_plan",
+    "disk_rates",
     "estimate_memory",
     "local_process_count",
     "machine_budget",
+    "measure_disk",
     "measure_host_bandwidth",
     "measure_link",
     "plan_memory",

@@ -18,7 +18,9 @@ class Budget:
     fraction applied), ``host_bytes`` of RAM and ``pinned_bytes`` of it page-locked (both this process's
     share when several share the machine). ``device_bytes``: the GPU's whole memory, which must also hold
     the CUDA context (None: not checked). ``headroom``: fraction of ``vram_bytes`` left for allocator
-    fragmentation. Rates: host<->GPU link GB/s, host AdamW parameters/s, bf16 matmul TFLOP/s."""
+    fragmentation. Rates: host<->GPU link GB/s, host AdamW parameters/s, bf16 matmul TFLOP/s, and the disk
+    that holds optimizer state (``disk_rates`` measures it); the disk defaults are a fast PCIe 4 NVMe
+    drive's sequential rates, high on purpose: an unmeasured bound stays a lower bound."""
 
     vram_bytes: int
     host_bytes: int
@@ -29,6 +31,8 @@ class Budget:
     host_adamw_params_per_s: float = 1.0e9
     matmul_tflops: float = 300.0
     source: str = "given"
+    disk_read_gbps: float = 7.0
+    disk_write_gbps: float = 6.0
 
     def __post_init__(self) -> None:
         for name in ("vram_bytes", "host_bytes", "pinned_bytes"):
@@ -37,7 +41,7 @@ class Budget:
                 raise ValueError(f"Budget.{name}={value!r} must be an integer number of bytes >= 0")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"Budget.headroom={self.headroom!r} must be in [0, 1)")
-        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops"):
+        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops", "disk_read_gbps", "disk_write_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Budget.{name}={getattr(self, name)!r} must be > 0")
 

@@ -42,7 +42,9 @@ _ADVICE = {
 class Plan:
     """A plan and its numbers. ``fits``: every budget holds. ``overflow``: (budget, largest category there,
     bytes over) for each budget that does not. Lower bound of a step (seconds) = max of ``compute_s``,
-    ``link_s`` and ``host_optimizer_s``. ``choices``: what the planner decided, and why."""
+    ``link_s``, ``host_optimizer_s`` and ``disk_s`` (the state on disk read, and written, at the disk's
+    rates: the longer of the two, so a drive that reads and writes at full rate at once still bounds it
+    from below). ``choices``: what the planner decided, and why."""
 
     fits: bool
     shape: ModelShape
@@ -55,10 +57,11 @@ class Plan:
     host_optimizer_s: float
     reason: str
     choices: tuple[str, ...] = ()
+    disk_s: float = 0.0
 
     @property
     def lower_bound_s(self) -> float:
-        return max(self.compute_s, self.link_s, self.host_optimizer_s)
+        return max(self.compute_s, self.link_s, self.host_optimizer_s, self.disk_s)
 
     @property
     def peak_vram_bytes(self) -> int:
@@ -92,7 +95,8 @@ class Plan:
             "loss_chunk": o.loss_chunk, "resident_blocks": len(self.resident), "streamed_blocks": len(self.streamed),
             "streamed_block_indices": list(self.streamed), "streamed_shared_by": o.streamed_shared_by,
             "compact_lora_inputs": o.compact_lora_inputs, "stream_packing": o.stream_packing,
-            "embedding_on_host": o.embedding_on_host,
+            "embedding_on_host": o.embedding_on_host, "disk_state_share": o.disk_state_share,
+            "disk_bytes": self.estimate.disk_bytes,
             "activations": {"keep": keep, "page": page, "recompute": recompute},
             "peak_vram_bytes": self.peak_vram_bytes, "cuda_context_bytes": self.estimate.vram["cuda_context"],
             "host_bytes": self.host_bytes, "pinned_bytes": self.estimate.pinned_bytes,
@@ -101,7 +105,7 @@ class Plan:
             "vram": dict(self.estimate.vram), "host": dict(self.estimate.host),
             "activation_bytes_per_block": self.estimate.saved_bytes,
             "lower_bound_s": {"total": self.lower_bound_s, "compute": self.compute_s, "link": self.link_s,
-                              "host_optimizer": self.host_optimizer_s},
+                              "host_optimizer": self.host_optimizer_s, "disk": self.disk_s},
             "overflow": [{"budget": b, "category": c, "bytes": n} for b, c, n in self.overflow],
             "choices": list(self.choices),
         }
@@ -127,7 +131,9 @@ class Plan:
         lines += [f"  {k:<22} {v / GiB:8.3f} GiB" for k, v in e.host.items() if v]
         lines.append(f"lower bound {self.lower_bound_s:.3f} s/step = max(compute {self.compute_s:.3f} s at "
                      f"{b.matmul_tflops:.0f} TFLOP/s, link {self.link_s:.3f} s at {b.link_gbps:.1f} GB/s, host AdamW "
-                     f"{self.host_optimizer_s:.3f} s at {b.host_adamw_params_per_s / 1e9:.2f} G params/s)")
+                     f"{self.host_optimizer_s:.3f} s at {b.host_adamw_params_per_s / 1e9:.2f} G params/s"
+                     + (f", disk {self.disk_s:.3f} s for {e.disk_bytes / GiB:.2f} GiB read and written at "
+                        f"{b.disk_read_gbps:.2f} / {b.disk_write_gbps:.2f} GB/s" if e.disk_bytes else "") + ")")
         return "\n".join(lines)
 
 
@@ -184,12 +190,13 @@ def check_plan(shape: ModelShape, budget: Budget, options: Options, choices: tup
     compute = e.flops / (budget.matmul_tflops * 1e12)
     link = max(e.h2d_bytes, e.d2h_bytes) / (budget.link_gbps * 1e9)
     host = e.host_optimizer_params / budget.host_adamw_params_per_s
+    disk = max(e.disk_bytes / (budget.disk_read_gbps * 1e9), e.disk_bytes / (budget.disk_write_gbps * 1e9))
     if over:
         reason = _refusal(over, e, budget, options)
     else:
         reason = (f"{e.allocator_bytes / GiB:.2f} GiB of {budget.usable_vram / GiB:.2f} GiB usable VRAM, "
                   f"{e.host_bytes / GiB:.2f} GiB of {budget.host_bytes / GiB:.2f} GiB host RAM")
-    return Plan(not over, shape, options, budget, e, over, compute, link, host, reason, tuple(choices))
+    return Plan(not over, shape, options, budget, e, over, compute, link, host, reason, tuple(choices), disk)
 
 
 def _auto(value, name: str, choices: tuple) -> tuple:
@@ -206,7 +213,7 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                 activations="auto", streamed_blocks="auto", loss_chunk: int | None = None,
                 prefer: str = "exact", streamed_shared_by: int = 1, state_shared_by: int = 1,
                 compact_lora_inputs: bool = False,
-                stream_packing: float = 1.0, embedding_on_host: bool = False) -> Plan:
+                stream_packing: float = 1.0, embedding_on_host: bool = False, disk_state_share: float = 0.0) -> Plan:
     """The plan that fits changing the least, or the closest one with ``fits=False`` and the reason.
 
     Every argument given a value stays as given; each "auto" is chosen. In order of preference: no
@@ -222,12 +229,15 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     """
     if prefer not in ("exact", "speed"):
         raise ValueError(f"prefer={prefer!r} is not valid; use 'exact' or 'speed'")
+    if disk_state_share and optimizer == "auto":
+        optimizer = "host"  # the state on disk is host AdamW's
     layers = shape.num_hidden_layers
     base = Options(batch=batch, seq=seq, train=train, lora_rank=lora_rank, lora_targets=tuple(lora_targets),
                    adapter_dtype=adapter_dtype, dtype=dtype, loss_chunk=loss_chunk,
                    streamed_shared_by=streamed_shared_by, state_shared_by=state_shared_by,
                    compact_lora_inputs=compact_lora_inputs,
-                   stream_packing=stream_packing, embedding_on_host=embedding_on_host)
+                   stream_packing=stream_packing, embedding_on_host=embedding_on_host,
+                   disk_state_share=disk_state_share)
     if quantize == "none":
         quantize = None
     if quantize == "auto":

@@ -35,7 +35,9 @@ class Options:
     link (trainstream's ``stream_packing``: exponent-packed bf16, about 0.75; 1.0: as stored); below 1 a
     packed copy sits in host memory beside the plain one, and one staging buffer of it in VRAM.
     ``embedding_on_host``: a LoRA run's frozen input embedding lives in page-locked host memory and the GPU
-    reads the rows it looks up over the link (trainstream's ``host_embedding``).
+    reads the rows it looks up over the link (trainstream's ``host_embedding``). ``disk_state_share``: the
+    fraction of the host optimizer's values whose fp32 master and moments live on disk (trainstream's
+    ``nvme_path``): taken off host RAM, read and written once per step (``MemoryEstimate.disk_bytes``).
     """
 
     batch: int = 1
@@ -59,6 +61,7 @@ class Options:
     compact_lora_inputs: bool = False
     stream_packing: float = 1.0
     embedding_on_host: bool = False
+    disk_state_share: float = 0.0
 
     def __post_init__(self) -> None:
         def count(name, value, low):
@@ -79,6 +82,11 @@ class Options:
             raise ValueError(f"stream_packing={self.stream_packing!r} must be a fraction in (0, 1]")
         if self.loss_chunk is not None:
             count("loss_chunk", self.loss_chunk, 1)
+        if isinstance(self.disk_state_share, bool) or not (isinstance(self.disk_state_share, (int, float))
+                                                           and 0 <= self.disk_state_share <= 1):
+            raise ValueError(f"disk_state_share={self.disk_state_share!r} must be a fraction in [0, 1]")
+        if self.disk_state_share and self.optimizer != "host":
+            raise ValueError("disk_state_share: the state on disk is host AdamW's; use optimizer='host'")
         if self.train not in ("full", "lora"):
             raise ValueError(f"train={self.train!r} is not valid; use 'full' or 'lora'")
         if self.train == "lora":
@@ -118,7 +126,7 @@ class MemoryEstimate:
     ``saved_bytes`` (unique storage a kept block holds), ``paged_bytes`` (what paging one block copies out),
     ``block_weight_bytes`` (one block's weights as stored on the device). Per step: ``h2d_bytes`` and
     ``d2h_bytes`` over the link, ``flops``, ``host_optimizer_params`` (values host AdamW updates), ``block_forward_flops`` (what
-    recomputing one block costs)."""
+    recomputing one block costs), ``disk_bytes`` (optimizer state on disk: read and written once each)."""
 
     vram: dict[str, int]
     host: dict[str, int]
@@ -132,6 +140,7 @@ class MemoryEstimate:
     flops: float
     host_optimizer_params: int
     block_forward_flops: float
+    disk_bytes: int = 0
 
     @property
     def allocator_bytes(self) -> int:
@@ -224,7 +233,7 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     if o.optimizer == "gpu":
         grads = trained * trained_dtype
         state = trained * (2 * m + (4 if trained_dtype != 4 and o.master_weights else 0))
-        host_state, host_params = 0, 0
+        host_state, host_params, disk_bytes = 0, 0, 0
     else:
         in_flight = 2 * block_trained * trained_dtype
         if o.train != "full":
@@ -237,6 +246,11 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
         upload = trained_dtype if trained_dtype != 4 else 0  # the updated weights' staging copy
         owned = math.ceil(trained * state_share(shape, o))  # data parallel: this rank's part (all of it alone)
         host_state, host_params = owned * (4 + 2 * m + trained_dtype + upload), owned
+        # The disk tier keeps master and moments of some values on disk; in RAM each keeps its gradient
+        # buffer and an upload buffer (which an fp32 weight's master no longer doubles as).
+        on_disk = round(owned * o.disk_state_share)
+        host_state -= on_disk * (4 + 2 * m + upload - trained_dtype)
+        disk_bytes = on_disk * (4 + 2 * m)
     vram = {
         "cuda_context": cuda_context_bytes,
         "trained_weights": resident * block_trained_bytes + outer_trained * a
@@ -274,4 +288,4 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     passes = 3 if o.train == "full" else 2  # a frozen base needs no weight gradients
     flops = layers * block_fwd * passes + head_fwd * passes + recompute * block_fwd
     return MemoryEstimate(vram, host, pinned, unique, packed, block_bytes, trained, h2d, d2h, float(flops),
-                          host_params, float(block_fwd))
+                          host_params, float(block_fwd), disk_bytes)

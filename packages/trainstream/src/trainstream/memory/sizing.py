@@ -265,23 +265,25 @@ PACKED_RATIO = 0.7505  # exponent-packed bf16 of normal weights (1.5 bytes a val
 def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", moment_dtype="auto",
               activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1,
               tokens: tuple[int, int] = (PLAN_BATCH, PLAN_SEQ), compact_lora_inputs: bool = False,
-              stream_packing: bool = False, embedding_on_host: bool = False, optimizer: str = "host") -> WrapPlan:
+              stream_packing: bool = False, embedding_on_host: bool = False, optimizer: str = "host",
+              disk_state_share: float = 0.0) -> WrapPlan:
     """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits ``tokens``
     (batch, sequence length; wrap() does not see the batch: PLAN_BATCH x PLAN_SEQ), NF4 when none does,
     so more VRAM never quantizes more; the run is refused (``fits`` False) when even one token per step
     does not fit. ``stream_packing``: wrap()'s option (streamed bf16 weights cross the link exponent-packed,
     priced at PACKED_RATIO of their bytes); ``embedding_on_host``: the frozen input embedding lives in host memory
     (wrap()'s ``host_embedding``); ``optimizer``: where the optimizer state is priced ("host", or "auto": in
-    VRAM where it fits beside the rest, as offload='auto' moves it). Other arguments as
-    ``ts_planner.plan_memory``'s."""
+    VRAM where it fits beside the rest, as offload='auto' moves it); ``disk_state_share``: the share of the
+    trained values whose state is on disk (nvme_path). Other arguments as ``ts_planner.plan_memory``'s."""
     batch, seq = tokens
     if facts.shape is None:
-        return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks)
+        return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks, disk_state_share)
     shape = facts.shape
     args = dict(train=facts.train, lora_rank=facts.lora_rank, lora_targets=facts.lora_targets,
                 adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer=optimizer, moment_dtype=moment_dtype,
                 activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by,
-                compact_lora_inputs=compact_lora_inputs, embedding_on_host=embedding_on_host)
+                compact_lora_inputs=compact_lora_inputs, embedding_on_host=embedding_on_host,
+                disk_state_share=disk_state_share)
     if stream_packing and streamed_blocks and facts.dtype == "bfloat16" and not facts.quantized and quantize in (None, "auto"):
         args["stream_packing"] = PACKED_RATIO  # the streamer streams exact weights, never quantized ones
     if facts.quantized:
@@ -375,14 +377,17 @@ def _fixes(facts: ModelFacts, budget, options, args: dict, moment_dtype, streame
     return fits
 
 
-def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: int) -> WrapPlan:
+def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: int,
+                  disk_state_share: float = 0.0) -> WrapPlan:
     """A model without a decoder shape: only its state is checked, weights in VRAM (no activation estimate)
-    and AdamW's state in host RAM (fp32 master, moments, gradient and upload buffers)."""
+    and AdamW's state in host RAM (fp32 master, moments, gradient and upload buffers; the share on disk
+    keeps only the last two there)."""
     moment = 2 if moment_dtype == "bfloat16" else 4
-    host = facts.trained_values * (4 + 2 * moment) + 2 * facts.trained_bytes + (2 << 30)
+    in_ram = facts.trained_values - round(facts.trained_values * disk_state_share)
+    host = in_ram * (4 + 2 * moment) + 2 * facts.trained_bytes + (2 << 30)
     vram = facts.weight_bytes if streamed == 0 else None  # streamed blocks: not estimated without a shape
     if moment_dtype == "auto" and host > budget.host_bytes:
-        host -= facts.trained_values * 4  # "auto" falls back to bf16 moments
+        host -= in_ram * 4  # "auto" falls back to bf16 moments
         moment = 2
     numbers = {"model": "generic (no decoder shape: state only)", "peak_vram_bytes": vram, "host_bytes": host,
                "budget": {"usable_vram_bytes": budget.usable_vram, "host_bytes": budget.host_bytes},

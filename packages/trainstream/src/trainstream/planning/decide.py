@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import typing
 
 import torch
 import ts_planner
@@ -120,7 +121,11 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
             and all(p.requires_grad for b in blocks for p in b.parameters())):  # nothing frozen to store quantized
         raise ValueError(f"quantize={opts.quantize!r} stores frozen weights, and every parameter of this model trains "
                          f"(a full fine-tune): freeze the base and train LoRA adapters (peft), or use quantize=None")
-    inputs = (blocks, facts, _beside_disk(wrap_budget(device, opts, facts), host))
+    budget = wrap_budget(device, opts, facts)
+    if host.on_disk:
+        budget, rates = _with_disk_rates(budget, opts.nvme_path)
+        notes.append(("plan", rates))
+    inputs = _Inputs(blocks, facts, budget, host.disk_share)
     if streamed is None:
         offload, why, implied = _auto_param_offload(opts, inputs, moments)
         decisions.append(Decision("param_offload", offload, why))
@@ -128,7 +133,7 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
         streamed = _streamed_blocks(model, opts, blocks)
 
     memory, packing = _memory_plan(device, opts, inputs, streamed, moments)
-    if _optimizer_priced(opts, inputs[2]) == "auto" and memory.plan is not None:
+    if _optimizer_priced(opts, inputs.budget) == "auto" and memory.plan is not None:
         on_gpu = memory.plan.options.optimizer == "gpu"
         decisions.append(Decision("offload", "auto", (
             "the plan prices the optimizer state in VRAM: it fits beside the predicted peak, so it moves there "
@@ -192,6 +197,16 @@ def _host_embedding(model: torch.nn.Module, device: torch.device, opts) -> tuple
 
 # ---- 3. moment_dtype -----------------------------------------------------------------------------
 
+class _Inputs(typing.NamedTuple):
+    """What steps 4-6 plan with: the repeated blocks, the model's facts, this process's budget (with the
+    disk's rates when state lives on disk), and the share of the trained values on disk."""
+
+    blocks: list
+    facts: object
+    budget: object
+    disk_share: float
+
+
 @dataclasses.dataclass(frozen=True)
 class _HostState:
     moment_dtype: torch.dtype
@@ -199,7 +214,7 @@ class _HostState:
     message: str
     on_disk: tuple[int, ...] = ()  # positions in trained_params() whose master and moments live on disk
     disk_bytes: int = 0
-    moved_bytes: int = 0  # host bytes the disk tier takes off the state's price in RAM
+    disk_share: float = 0.0  # the share of the trained values on disk, as ts-planner prices it
 
 
 def trained_params(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
@@ -239,20 +254,21 @@ def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
             raise PlanRefused(f"the optimizer state put on disk needs {fmt_bytes(host.disk_bytes)} at "
                               f"nvme_path={opts.nvme_path!r} but that filesystem has {fmt_bytes(free)} free; free "
                               f"space there, give a larger disk, or pass check_memory=False to try anyway")
-        in_ram = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)
-        return _HostState(host.moment_dtype, host.needed, host.message, host.on_disk, host.disk_bytes,
-                          max(0, in_ram - host.needed))
+        share = sum(own[i].numel() for i in host.on_disk) / max(1, sum(p.numel() for p in own))
+        return _HostState(host.moment_dtype, host.needed, host.message, host.on_disk, host.disk_bytes, share)
     needed = sum(host_state_bytes(p, placement, host.moment_dtype.itemsize) for p in own)
     return _HostState(host.moment_dtype, needed, host.message)
 
 
-def _beside_disk(budget, host: _HostState):
-    """ts-planner prices the optimizer state in host RAM whole; what the disk tier holds is not there, so
-    the memory model's host budget grows by it (one adjustment, here, rather than a disk term in the model)."""
-    if not host.moved_bytes:
-        return budget
-    return dataclasses.replace(budget, host_bytes=budget.host_bytes + host.moved_bytes,
-                               pinned_bytes=budget.pinned_bytes + host.moved_bytes)
+def _with_disk_rates(budget, directory: str):
+    """The budget with the measured rates of the disk at ``directory`` (ts-planner's probe, cached per
+    filesystem), and the line that says so."""
+    try:
+        rates = ts_planner.disk_rates(directory)
+    except OSError as error:
+        raise ValueError(f"nvme_path={directory!r}: measuring the disk failed: {error}") from None
+    return (dataclasses.replace(budget, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps),
+            rates.summary())
 
 
 def _check_disk_tier(opts, placement: str, world: int) -> None:
@@ -310,7 +326,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
     weights when that fits and quantizes nothing; ``prefer="speed"`` (or exact weights that do not fit
     even streamed) streams nothing while some quantization fits resident (the faster way to fit), else
     NF4 codes stream."""
-    blocks, facts, budget = inputs
+    blocks, facts, budget, disk_share = inputs
     if facts.shape is None or not blocks:
         return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
     activations = _activations(opts, len(blocks))
@@ -329,7 +345,8 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
             note = " (prefer='exact': even with every block streamed the exact weights do not fit, so they are quantized)"
     if fmt == "auto":
         resident = plan_wrap(facts, budget, quantize="auto", moment_dtype=moments, activations=activations,
-                             streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer)
+                             streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer,
+                             disk_state_share=disk_share)
         if resident.plan is not None and resident.plan.fits:
             return False, ("param_offload='auto': none stream, quantize='auto' fits the weights"
                            + (note or " (prefer='speed'; pass quantize=None to stream exact weights instead)")), None
@@ -351,7 +368,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
 def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_SEQ)) -> WrapPlan:
     """The plan with the fewest streamed blocks that fits `tokens` with the weights stored as `fmt` (the
     plan with all of them streamed when none does)."""
-    blocks, facts, budget = inputs
+    blocks, facts, budget, disk_share = inputs
     activations = _activations(opts, len(blocks))
     optimizer = _optimizer_priced(opts, budget)
     frozen = sum(nbytes_of(frozen_params_of(b)) for b in blocks)
@@ -361,7 +378,8 @@ def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_S
                          streamed_blocks=count, streamed_shared_by=shared_by, tokens=tokens,
                          compact_lora_inputs=_compact_lora_inputs(opts, blocks),
                          stream_packing=opts.stream_packing is not False,
-                         embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer)
+                         embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer,
+                         disk_state_share=disk_share)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -372,7 +390,7 @@ def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_S
 def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moments: str) -> tuple[WrapPlan, bool]:
     """(ts-planner's plan for these options, stream_packing settled); PlanRefused (check_memory=True)
     when even one token per step does not fit."""
-    blocks, facts, budget = inputs
+    blocks, facts, budget, disk_share = inputs
     optimizer = _optimizer_priced(opts, budget)
     auto = opts.quantize == "auto"
     quantize = ("auto" if device.type == "cuda" and not streamed else None) if auto else opts.quantize
@@ -383,7 +401,8 @@ def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moment
         return plan_wrap(facts, budget, quantize=quantize, moment_dtype=moments,
                          activations=_activations(opts, len(blocks)), streamed_blocks=len(streamed),
                          streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
-                         stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer)
+                         stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer,
+                         disk_state_share=disk_share)
 
     packing = opts.stream_packing is not False
     plan = planned(packing)
@@ -402,7 +421,8 @@ def _optimizer_priced(opts, budget) -> str:
     the peak: the planner's "auto" prices it there exactly when it fits. Elsewhere it stays on the host.
     (A budget read off a GPU knows the device's memory; the CPU's has none.)"""
     on_gpu = budget.device_bytes is not None
-    return "auto" if on_gpu and opts.offload == "auto" and opts.optimizer_mode != "gpu" else "host"
+    on_disk = opts.nvme_path is not None  # state on disk stays host AdamW's (engine.place skips it)
+    return "auto" if on_gpu and opts.offload == "auto" and opts.optimizer_mode != "gpu" and not on_disk else "host"
 
 
 def _embedding_on_host(opts, facts) -> bool:
