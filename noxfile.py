@@ -4,7 +4,9 @@ Sessions:
   lint                  ruff over the whole tree
   tests                 every package installed together, all tests (packages/*/tests and tests/)
   package-<name>        one package installed alone with only what it depends on, its own tests
-  dists                 sdist of each package, then a wheel built from that sdist alone
+  dists                 sdist of each package, then a wheel built from that sdist alone, then the wheels installed
+                        into a fresh virtualenv with no compiler reachable and no index (docs/development.md#releases)
+  typecheck             mypy --strict over the public entry points (TYPECHECKED; docs/development.md#type-checking)
   bench-<name>          a benchmark in tools/bench (CPU here; the GPU numbers come from tools/gpu_run.sh)
   docs                  the documentation site (mkdocs.yml) built with --strict into site/: a broken link fails
   nf4_bitsandbytes      ts-quant's NF4 bytes against bitsandbytes 0.50 on the CPU (not in ci: a 43 MB download)
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 import tarfile
 import tempfile
 
@@ -34,6 +38,11 @@ TORCH = os.environ.get("TS_TORCH_SPEC", "torch==2.13.0")
 BUILD_DEPS = ["scikit-build-core>=0.11", "nanobind>=2.4", "cmake>=3.26", "ninja"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 HF_DEPS = ["transformers>=4.56", "peft>=0.13", "trl>=1.16,<2"]  # trl brings datasets and accelerate
+MYPY = "mypy==2.4.1"  # exact: a new mypy release adds checks under --strict
+# Checked by the `typecheck` session: the seven packages' top-level modules (their public names) and trainstream's
+# public prototype module. docs/development.md#type-checking says why not more.
+TYPECHECKED = ["ts_pinned", "ts_adamw", "ts_quant", "ts_kvcache", "ts_peer", "ts_planner", "trainstream",
+               "trainstream.prototype"]
 # Exact pins: a new theme or handler release must not turn CI red on its own (docs/development.md says why these).
 DOCS_DEPS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11",
              "griffelib==2.4.1"]
@@ -100,6 +109,55 @@ def dists(session: nox.Session) -> None:
             session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
                         str(source), env={"TS_ENABLE_CUDA": os.environ.get("TS_ENABLE_CUDA", "OFF")})
     session.log("built: " + ", ".join(p.name for p in sorted(out.iterdir())))
+    _install_release(session, out)
+
+
+def _version() -> str:
+    """The release's version: trainstream's __version__ (tests/test_release.py checks the seven agree)."""
+    init = (ROOT / "packages" / "trainstream" / "src" / "trainstream" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"$', init, re.MULTILINE).group(1)
+
+
+def _bare(session: nox.Session, env: dict[str, str], *args: str) -> str:
+    """Runs a command with exactly `env`'s PATH: session.run would put the session's bin/ (cmake, ninja) in front."""
+    session.log(" ".join(args))
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        session.error(f"exit {done.returncode}: {' '.join(args)}\n{done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def _install_release(session: nox.Session, wheels: pathlib.Path) -> None:
+    """As a user installs the release: a new virtualenv whose PATH holds nothing but its own bin/ (no cc, c++, nvcc
+    or cmake; CC / CXX / CUDACXX are /bin/false), torch and numpy as the user gets them, then
+    `trainstream==VERSION` from the wheel folder alone: --no-index (no namesake on an index can satisfy a pin)
+    and --only-binary (a missing wheel fails here instead of building from its sdist). Then the import and
+    `trainstream --version` must say VERSION for all seven."""
+    version = _version()
+    with tempfile.TemporaryDirectory(prefix="ts-release-") as tmp:
+        venv = pathlib.Path(tmp) / "venv"
+        session.run("python", "-m", "venv", str(venv))
+        python = str(venv / "bin" / "python")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(PATH=str(venv / "bin"), VIRTUAL_ENV=str(venv), CC="/bin/false", CXX="/bin/false",
+                   CUDACXX="/bin/false", PYTHONNOUSERSITE="1")
+        with session.chdir(tmp):  # not the repository: nothing importable by accident
+            _bare(session, env, python, "-c", "import shutil, sys; found = [c for c in ('cc', 'gcc', 'c++', 'g++', "
+                  "'nvcc', 'cmake', 'ninja') if shutil.which(c)]; sys.exit(f'on PATH: {found}' if found else 0)")
+            _bare(session, env, python, "-m", "pip", "install", "-q", TORCH, "numpy")
+            _bare(session, env, python, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                  "--only-binary=:all:", f"trainstream=={version}")
+            names = ", ".join(p.replace("-", "_") for p in PACKAGES)
+            said = _bare(session, env, python, "-c", f"import {names}; print(trainstream.__version__, "
+                         "trainstream.__file__)").splitlines()[-1].split()
+            if said[0] != version or not said[1].startswith(str(venv)):
+                session.error(f"the fresh install imports trainstream {said[0]} from {said[1]}, not {version} "
+                              f"from {venv}")
+            listed = _bare(session, env, str(venv / "bin" / "trainstream"), "--version").splitlines()
+            wrong = [w for w in listed if not w.startswith("torch ") and w.split()[-1] != version]
+            if wrong or len(listed) != len(PACKAGES) + 1:
+                session.error(f"trainstream --version in the fresh install: {listed}")
+    session.log(f"installed {version} from {wheels.name}/ with no index and no compiler: " + "; ".join(listed))
 
 
 @nox.session(tags=["ci"])
@@ -124,6 +182,19 @@ def docs(session: nox.Session) -> None:
     session.run("python", "-c", f"import {', '.join(p.replace('-', '_') for p in PACKAGES)}")
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), *session.posargs,
                 env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session(tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over TYPECHECKED, read from the source trees (nothing is built). The modules they import are
+    analysed for their types but only TYPECHECKED's own lines are reported (--follow-imports=silent); the native
+    _core modules have no stubs and are Any to mypy (pyproject.toml's [tool.mypy])."""
+    session.install(MYPY, TORCH, "numpy")
+    paths = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    cache = pathlib.Path(session.virtualenv.location) / "mypy_cache"
+    modules = [arg for name in TYPECHECKED for arg in ("-m", name)]
+    session.run("mypy", "--strict", "--follow-imports=silent", "--cache-dir", str(cache), *modules, *session.posargs,
+                env={"MYPYPATH": paths})
 
 
 @nox.session

@@ -3,7 +3,7 @@ state kept on disk (StateFile, DiskState)."""
 
 import atexit
 
-from . import _core
+from . import _core  # type: ignore[attr-defined]  # the native module: no stub, Any to mypy
 from ._cuda import CudaAdamWBatch, cuda_adamw_step
 from ._disk import DiskIOError, DiskState, StateFile, adamw_step_on_disk, aligned_empty
 from ._functional import HostAdamW, StepHandle, adamw_step, adamw_step_async, adamw_steps, sum_of_squares
@@ -20,25 +20,25 @@ host_isa = _core.host_isa
 def host_threads() -> int:
     """Threads of the process-wide host pool that every TrainStream core shares (default: the physical cores
     this process may use)."""
-    return _core.host_threads()
+    return int(_core.host_threads())
 
 
 def usable_cores() -> int:
     """Logical CPUs this process may run on at once: its CPU affinity mask (taskset, cpusets) bounded by its
     cgroup CPU quota (``cpu.max`` in v2, ``cpu.cfs_quota_us`` in v1, rounded up). ``threads=`` arguments and
     ``set_host_threads`` accept up to ``max_host_threads()`` = 4 x this."""
-    return _core.usable_cores()
+    return int(_core.usable_cores())
 
 
 def max_host_threads() -> int:
     """The largest thread count ``set_host_threads`` and ``threads=`` accept: 4 x ``usable_cores()``."""
-    return _core.max_host_threads()
+    return int(_core.max_host_threads())
 
 
 def set_host_threads(threads: int) -> bool:
     """Sizes the process-wide host pool (shared by every TrainStream core), from the next parallel loop on,
     after any running one. ValueError unless ``1 <= threads <= max_host_threads()``. Returns True."""
-    return _core.set_host_threads(threads)
+    return bool(_core.set_host_threads(threads))
 
 
 def set_streaming_stores(mode: str) -> None:
@@ -51,7 +51,7 @@ def set_streaming_stores(mode: str) -> None:
 
 def streaming_stores() -> str:
     """The current ``param_out`` store mode: ``"auto"``, ``"on"`` or ``"off"``."""
-    return _core._streaming_stores()
+    return str(_core._streaming_stores())
 
 __all__ = [
     "AdamW",
