@@ -199,6 +199,17 @@ def test_a_failed_read_is_reported_at_the_next_step_and_changes_nothing(tmp_path
     trainstream.unwrap(model)
 
 
+def test_each_bucket_reads_the_next_one_ahead_after_the_first_step(tmp_path):
+    options = {"moment_dtype": "float32", "nvme_path": tmp_path,
+               "host_budget": _budget_below({"moment_dtype": "float32"})}
+    model, _opt, _ = _train(options, steps=3)
+    tier = model._trainstream_session.engine.disk
+    buckets = set(tier._next)
+    assert len(buckets) > 1 and all(tier._next[b] in buckets for b in buckets)  # a cycle: step after step
+    assert tier.state._ready  # the last bucket of step 3 read the first one of step 4 ahead
+    trainstream.unwrap(model)
+
+
 def test_unwrap_frees_the_scratch_file(tmp_path):
     options = {"moment_dtype": "float32", "nvme_path": tmp_path,
                "host_budget": _budget_below({"moment_dtype": "float32"})}

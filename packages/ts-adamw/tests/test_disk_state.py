@@ -354,28 +354,61 @@ def test_disk_steps_are_bit_exact_with_steps_in_ram(tmp_path_factory, sizes, qua
 @settings(max_examples=15, deadline=None)
 @given(sizes=st.lists(st.integers(1, 7000), min_size=2, max_size=6), depth=st.integers(1, 3),
        moments=st.sampled_from([torch.float32, torch.bfloat16]), picks=st.lists(st.integers(0, 63), min_size=3,
-                                                                                max_size=3),
-       seed=st.integers(0, 2**32))
+                                                                                max_size=5),
+       ahead=st.sampled_from(["none", "next", "wrong"]), read_between=st.booleans(), seed=st.integers(0, 2**32))
 def test_steps_of_some_parameters_match_ram_and_leave_the_others(tmp_path_factory, sizes, depth, moments, picks,
-                                                                  seed):
+                                                                  ahead, read_between, seed):
     """Buckets arrive one at a time: stepping a subset (whose segments it may share with neighbours) updates
-    exactly that subset, as adamw_steps over it would, and leaves every other value bit for bit."""
+    exactly that subset, as adamw_steps over it would, and leaves every other value bit for bit; reading the
+    next subset ahead (right, wrong, or dropped by a read between) changes no bit."""
     params = _model(sizes, seed % 1000)
     names = list(params)
     ref = _reference(params, moments)
+    chosen_of = [[n for i, n in enumerate(names) if pick >> i & 1] or names[-1:] for pick in picks]
     with ts_adamw.DiskState(params, tmp_path_factory.mktemp("subset"), moment_dtype=moments, depth=depth,
                             segment_values=2048) as state:
-        for step, pick in enumerate(picks, start=1):
-            chosen = [n for i, n in enumerate(names) if pick >> i & 1] or names[-1:]
+        for step, chosen in enumerate(chosen_of, start=1):
             at = [names.index(n) for n in chosen]
             gen = torch.Generator().manual_seed(seed % 991 + step)
             grads = [torch.randn(params[n].shape, generator=gen) for n in chosen]
             outs = [torch.empty(params[n].shape, dtype=torch.bfloat16) for n in chosen]
             ref_outs = [torch.empty(params[n].numel(), dtype=torch.bfloat16) for n in chosen]
-            state.step(grads, step=step, params_out=outs, seed=seed, names=chosen, **KW)
+            following = chosen_of[step % len(chosen_of)]
+            prefetch = {"none": None, "next": following, "wrong": [n for n in names if n not in following] or None}
+            state.step(grads, step=step, params_out=outs, seed=seed, names=chosen, prefetch=prefetch[ahead], **KW)
+            if read_between:
+                state.read_state(names[0])
             ts_adamw.adamw_steps([ref[0][i] for i in at], [g.reshape(-1) for g in grads], [ref[1][i] for i in at],
                                  [ref[2][i] for i in at], step=step, params_out=ref_outs, seed=seed, keys=at, **KW)
             assert all(torch.equal(o.reshape(-1), r) for o, r in zip(outs, ref_outs))
+        assert _state_equals(state, ref)
+
+
+def test_a_step_reads_the_next_parameters_ahead_and_the_next_step_uses_them(tmp_path):
+    params = _model([4096, 4096, 4096, 4096], 5)  # one segment each
+    with ts_adamw.DiskState(params, tmp_path, segment_values=4096) as state:
+        grads = {n: torch.randn(4096) for n in params}
+        state.step([grads["p3"]], names=["p3"], prefetch=["p2", "p1"], step=1, **KW)
+        assert sorted(state._ready) == [2]  # depth 3: one set reads ahead, two stay the step's
+        state.step([grads["p2"]], names=["p2"], prefetch=["p1"], step=1, **KW)
+        assert sorted(state._ready) == [1]
+        state.step([grads["p0"]], names=["p0"], step=1, **KW)  # not what was read ahead: dropped
+        assert state._ready == {}
+        with pytest.raises(ValueError, match="unknown parameters"):
+            state.step([grads["p0"]], names=["p0"], prefetch=["zz"], step=2, **KW)
+
+
+def test_a_segment_a_step_writes_is_never_read_ahead(tmp_path):
+    """Two parameters in one segment: reading the second ahead while the first's update is written back
+    would hand the next step the segment as it was, and its write would undo the first update."""
+    params = _model([1000, 1000], 6)
+    ref = _reference(params, torch.float32)
+    with ts_adamw.DiskState(params, tmp_path, segment_values=2048) as state:
+        for step in range(1, 4):
+            for i, name in enumerate(params):
+                g = torch.full((1000,), 0.1 * step + i)
+                state.step([g], names=[name], prefetch=[n for n in params if n != name], step=step, **KW)
+                ts_adamw.adamw_steps([ref[0][i]], [g], [ref[1][i]], [ref[2][i]], step=step, keys=[i], **KW)
         assert _state_equals(state, ref)
 
 

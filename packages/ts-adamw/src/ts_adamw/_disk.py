@@ -136,6 +136,7 @@ class _Staging:
         self.raw = (raw[:ends[0]], raw[ends[0]:ends[1]], raw[ends[1]:ends[2]])
         self.views = (self.raw[0].view(torch.float32), self.raw[1].view(moment_dtype), self.raw[2].view(moment_dtype))
         self.writes: list[int] = []  # tickets of the last write from this set
+        self.stamp = 0  # when it was last written from (sets are reused oldest first)
 
 
 def _round_up(value: int, quantum: int) -> int:
@@ -234,6 +235,12 @@ class DiskState:
         self._segments = [(a, min(a + self.segment_values, total)) for a in range(0, total, self.segment_values)]
         self._error: BaseException | None = None
         self._stats: dict[str, float] = {}
+        # Read ahead across calls (step's ``prefetch``): segment -> (the staging set it is read into, tickets).
+        # At most depth - 2 sets, so a step always has two of its own; dropped before anything else touches
+        # the file (read_state, write_state, close).
+        self._ready: dict[int, tuple[_Staging, list[int]]] = {}
+        self._in_use: list[_Staging] = []  # the running step's sets while it reads ahead
+        self._stamp = 0
         self._file = StateFile(directory, padded * (4 + 2 * mb), io_threads=io_threads, direct=direct)
         try:
             self._fill([plain(t, "params") for _, t in items])
@@ -376,14 +383,18 @@ class DiskState:
 
     def step(self, grads, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
              maximize: bool = False, grad_scale: float = 1.0, params_out=None, seed: int = 0,
-             threads: int | None = None, names: list[str] | None = None) -> None:
+             threads: int | None = None, names: list[str] | None = None,
+             prefetch: list[str] | None = None) -> None:
         """One AdamW step over the state on disk, as ``adamw_steps`` computes it (same arguments; ``grads`` and
         ``params_out`` map each name to a CPU tensor, or are lists in the order of ``.names``).
 
         ``names``: step only these parameters (``grads`` and ``params_out`` then cover them alone, lists in
         this order); the others' state is left as it is, bit for bit, though a segment they share with a
         stepped parameter is read and written back. A trainer steps each bucket of gradients this way as it
-        arrives.
+        arrives. ``prefetch``: parameters the next call will step; once this step's own reads are queued, the
+        first segments of theirs (as many as leave this step two staging sets, none it writes) start reading,
+        so the next step begins with data in hand. A later call that steps other parameters first, or any
+        read_state / write_state, simply drops what was read ahead.
 
         What a failure leaves: invalid input raises ``ValueError`` before any I/O. A segment is updated only
         from buffers whose reads completed, so no partially read data reaches the file or ``params_out``. An
@@ -412,7 +423,8 @@ class DiskState:
         spans += [(s.raw[0].data_ptr(), s.raw[2].data_ptr() + s.raw[2].numel(), True, f"staging[{i}]")
                   for i, s in enumerate(self._sets)]
         _check_disjoint(spans)
-        self._run(dict(zip(selected, grads)), None if outs is None else dict(zip(selected, outs)), hyper)
+        ahead = [] if prefetch is None else self._selected(prefetch)
+        self._run(dict(zip(selected, grads)), None if outs is None else dict(zip(selected, outs)), hyper, ahead)
         if outs is not None:
             bump_versions(outs)
 
@@ -442,13 +454,53 @@ class DiskState:
                     out.append(k)
         return out
 
-    def _run(self, grads: dict, outs: dict | None, hyper) -> None:
+    def _free_set(self, busy: list[_Staging]) -> _Staging:
+        """A staging set for the next read: not holding a segment read ahead nor one of ``busy``; the one
+        written longest ago. Its writes are drained by the caller."""
+        held = {id(st) for st, _ in self._ready.values()} | {id(st) for st in busy}
+        return min((st for st in self._sets if id(st) not in held), key=lambda st: st.stamp)
+
+    def _read_into(self, segment: int, busy: list[_Staging], stats: dict) -> tuple[_Staging, list[int]]:
+        """Queues the read of ``segment``: taken from what was read ahead, or into a free set once that
+        set's last writes are on the file."""
+        if segment in self._ready:
+            return self._ready.pop(segment)
+        staging = self._free_set(busy)
+        writes, staging.writes = staging.writes, []
+        t = time.perf_counter()
+        error = self._drain(writes)  # the set's last write is on disk before it is refilled
+        stats["write_wait_s"] += time.perf_counter() - t
+        if error is not None:
+            raise error
+        return staging, self._submit("read", segment, staging)
+
+    def _read_ahead(self, ahead: list[int], own: list[int]) -> None:
+        """Starts reading the first segments of the parameters ``ahead``, in that order (not ``own``, which
+        this step writes), into sets that hold nothing pending, keeping two sets for the running step."""
+        wanted = [k for i in ahead for k in self._segments_of([i])]  # in the order the next step will want them
+        wanted = [k for k in dict.fromkeys(wanted) if k not in own and k not in self._ready]
+        for segment in wanted[:max(0, len(self._sets) - 2 - len(self._ready))]:
+            free = [st for st in self._sets if not st.writes and st not in self._in_use
+                    and all(st is not r for r, _ in self._ready.values())]
+            if not free:
+                return
+            self._ready[segment] = (free[0], self._submit("read", segment, free[0]))
+
+    def _drop_ready(self) -> None:
+        """Forgets every segment read ahead (their reads finish first: the buffers are reused)."""
+        ready, self._ready = self._ready, {}
+        self._drain([t for _, tickets in ready.values() for t in tickets])
+
+    def _run(self, grads: dict, outs: dict | None, hyper, ahead: list[int]) -> None:
         """Steps the segments of the parameters in ``grads`` (index -> flat gradient): read ahead, update,
-        write behind, through the staging sets in turn."""
+        write behind, through the staging sets; then reads ahead the first segments of ``ahead``."""
         order = self._segments_of(grads)
+        for segment in [k for k in self._ready if k not in order]:
+            # read ahead for another call: still valid (nothing wrote it since), but its set is needed
+            self._drain(self._ready.pop(segment)[1])
         depth, count = len(self._sets), len(order)
-        ahead = 0 if depth == 1 else max(1, depth - 2)  # segments read ahead; one set is left to write behind
-        reads: dict[int, list[int]] = {}
+        lead = 0 if depth == 1 else max(1, depth - 2)  # segments read ahead; one set is left to write behind
+        reads: dict[int, tuple[_Staging, list[int]]] = {}
         issued = 0
         changed = False  # a segment's update began: params_out or the file may differ from before
         clock = time.perf_counter
@@ -456,27 +508,25 @@ class DiskState:
         started = clock()
         try:
             for j in range(count):
-                while issued < min(j + 1 + ahead, count):
-                    staging = self._sets[issued % depth]
-                    writes, staging.writes = staging.writes, []
-                    t = clock()
-                    error = self._drain(writes)  # the set's last write is on disk before it is refilled
-                    stats["write_wait_s"] += clock() - t
-                    if error is not None:
-                        raise error
-                    reads[issued] = self._submit("read", order[issued], staging)
+                while issued < min(j + 1 + lead, count):
+                    reads[issued] = self._read_into(order[issued], [st for st, _ in reads.values()], stats)
                     issued += 1
+                    if issued == count and ahead:
+                        self._in_use = [st for st, _ in reads.values()]
+                        self._read_ahead(ahead, order)
+                staging, tickets = reads.pop(j)
                 t = clock()
-                error = self._drain(reads.pop(j))
+                error = self._drain(tickets)
                 stats["read_wait_s"] += clock() - t
                 if error is not None:
                     raise error
-                staging = self._sets[j % depth]
                 changed = True
                 t = clock()
                 self._update(order[j], staging, grads, outs, hyper)
                 stats["update_s"] += clock() - t
                 staging.writes = self._submit("write", order[j], staging)
+                self._stamp += 1
+                staging.stamp = self._stamp
             t = clock()
             for staging in self._sets:
                 writes, staging.writes = staging.writes, []
@@ -486,14 +536,17 @@ class DiskState:
             stats["write_wait_s"] += clock() - t
             stats["step_s"] = clock() - started
         except BaseException as error:
-            pending = [t for tickets in reads.values() for t in tickets]
+            pending = [t for _, tickets in reads.values() for t in tickets]
             for staging in self._sets:
                 pending += staging.writes
                 staging.writes = []
             self._drain(pending)  # no transfer may outlive the step: the buffers are reused
             if changed:
                 self._error = error
+                self._drop_ready()
             raise
+        finally:
+            self._in_use = []
 
     # ---- state in and out -----------------------------------------------------------------------------------
 
@@ -522,6 +575,7 @@ class DiskState:
         """The parameter's ``{"param": fp32 master, "exp_avg", "exp_avg_sq"}`` as new CPU tensors of its shape
         (for a state_dict)."""
         self._usable("read_state")
+        self._drop_ready()  # its bounce buffer may hold a segment read ahead
         if name not in self._index:
             raise KeyError(f"DiskState.read_state: no parameter named {name!r}")
         shape = self._shapes[self._index[name]]
@@ -536,6 +590,7 @@ class DiskState:
         """Replaces the given parts of one parameter's state (from a state_dict): tensors of its value count,
         converted to fp32 / the moment dtype. Validated before anything is written."""
         self._usable("write_state")
+        self._drop_ready()  # what was read ahead may be what this writes
         if name not in self._index:
             raise KeyError(f"DiskState.write_state: no parameter named {name!r}")
         numel = self._shapes[self._index[name]].numel()
@@ -559,6 +614,8 @@ class DiskState:
     def close(self) -> None:
         """Waits for any transfer, closes and frees the file, drops the staging buffers this object
         allocated. Safe to call twice."""
+        if not self._file.closed:
+            self._drop_ready()
         self._file.close()
         self._sets = []
 

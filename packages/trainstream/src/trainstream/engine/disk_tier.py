@@ -4,7 +4,8 @@ One ``ts_adamw.DiskState`` (one scratch file, no name on disk, gone when closed 
 holds them all, each slot under its index, rounding with its index as key, as the in-RAM update does, so a
 slot trains bit for bit whichever tier holds its state. Host RAM keeps each slot's gradient landing buffer
 and upload buffer (``ParamSlot.allocate``); an update reads the slot's segments, runs ts-adamw's host
-kernel and writes them back (read ahead, write behind, inside ``DiskState.step``).
+kernel and writes them back (read ahead, write behind, inside ``DiskState.step``), and reads ahead the first
+segments of the bucket that came next the step before.
 
 Ownership: the engine creates and closes the tier. Only the host worker steps it (updates run one at a
 time on that thread); the main thread reads or writes a slot's state only while the slot is not QUEUED
@@ -36,6 +37,11 @@ class DiskTier:
         self.directory = os.fspath(directory)
         self.moment_dtype = moment_dtype
         self.updates = 0  # DiskState.step calls (each a bucket of slots)
+        # The bucket that followed each bucket last time: buckets update in the same order every step
+        # (backward's, or slot order at step() with clipping), so while one updates the next one's first
+        # segments are read ahead; the last bucket of a step reads ahead the first of the next.
+        self._next: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._last: tuple[str, ...] | None = None
         self.seconds = dict.fromkeys(_STAT_KEYS, 0.0)  # summed over every step: where the worker's time went
 
     # ---- the host worker ------------------------------------------------------------------------------
@@ -44,8 +50,13 @@ class DiskTier:
         """One AdamW step of ``slots`` (their gradients in ``grad_host``; the rounded weights written to
         ``out_host``). A failure before the first segment's update changes nothing; a later one leaves the
         tier unusable (``DiskState.step``), and every later step says so."""
-        self.state.step([s.grad_host for s in slots], names=[str(s.index) for s in slots],
-                        params_out=[s.out_host for s in slots], **kwargs)
+        names = tuple(str(s.index) for s in slots)
+        if self._last is not None:
+            self._next[self._last] = names
+        self._last = names
+        ahead = self._next.get(names)
+        self.state.step([s.grad_host for s in slots], names=list(names), params_out=[s.out_host for s in slots],
+                        prefetch=None if ahead is None else list(ahead), **kwargs)
         self.updates += 1
         for key, value in self.state.stats.items():
             self.seconds[key] += value
