@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
+import weakref
 
 import torch
 import ts_adamw
@@ -284,8 +286,14 @@ class TrainStreamSession:
         host = self.engine.host
         # Over the updater, not the engine or the session: the worker's thread holds the updater (and through
         # its observer the clock), so a reference to the engine here would keep a dropped model alive.
-        self.stalls = StallClock(self.device, busy=lambda: host.busy_seconds)
+        engine = weakref.ref(self.engine)
+        self.stalls = StallClock(self.device, busy=lambda: host.busy_seconds,
+                                 forwards=lambda: getattr(engine(), "training_forwards", 0))
         self._observe(self.stalls)
+        blocks = self.activations.blocks if self.activations is not None else []
+        if blocks:  # the batch each step trains, as the first block sees it (the plan prices batch x sequence)
+            self._model_hook(functools.partial(blocks[0].register_forward_pre_hook, with_kwargs=True),
+                             self.stalls.block_input)
 
     def _observe(self, observer) -> None:
         for owner in (self.engine, self.weights, getattr(self.activations, "offloader", None)):

@@ -53,13 +53,16 @@ class StallClock:
     """Per-step waits of one wrapped model (thread-safe; waits on other threads than the training
     loop's are not stalls of the step and are ignored). ``recent()``: the last ``keep`` steps."""
 
-    def __init__(self, device: torch.device, keep: int = 32, busy=lambda: 0.0):
+    def __init__(self, device: torch.device, keep: int = 32, busy=lambda: 0.0, forwards=lambda: 0):
         self.device = device
         self._cuda = device.type == "cuda"
         self._thread = threading.get_ident()
         self._lock = threading.Lock()
         self._busy = busy  # cumulative host AdamW seconds (the worker's counter)
         self._busy_at = busy()
+        self._forwards = forwards  # cumulative training forwards (the engine's counter)
+        self._forwards_at = forwards()
+        self._tokens: tuple[int, int] | None = None  # (batch, sequence) of this step's last training forward
         self._waits = dict.fromkeys(CAUSES, 0.0)
         self._pending: list[tuple[int, str, object, object]] = []  # (step, cause, start event, end event)
         self._steps: collections.deque = collections.deque(maxlen=keep)
@@ -108,6 +111,16 @@ class StallClock:
             with self._lock:
                 self._pending.append((self.step, cause, start, end))
 
+    def block_input(self, _module, args, kwargs) -> None:
+        """A forward pre-hook (``with_kwargs``) for the first block: the (batch, sequence) of the hidden states a
+        training forward (gradients on) carries, recorded with the step (the plan prices batch x sequence)."""
+        if not torch.is_grad_enabled():
+            return
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 and hidden.shape[-1]:
+            batch = int(hidden.shape[0]) if hidden.dim() >= 3 else 1
+            self._tokens = (batch, hidden.numel() // (hidden.shape[-1] * max(batch, 1)))
+
     def _resolve(self) -> None:
         """Device waits whose events completed go to the step they belong to."""
         keep = []
@@ -124,14 +137,16 @@ class StallClock:
     def step_finished(self) -> None:
         """Closes the current step (called after each optimizer step)."""
         now = time.perf_counter()
-        busy = self._busy()
+        busy, forwards = self._busy(), self._forwards()
         gpu = ({"allocated": torch.cuda.memory_allocated(self.device),
                 "peak_allocated": torch.cuda.max_memory_allocated(self.device)} if self._cuda else None)
         with self._lock:
             record = {"step": self.step + 1, "step_s": now - self._started, "waits": dict(self._waits),
-                      "host_adamw_busy_s": busy - self._busy_at, "gpu": gpu, "host_rss": _host_rss()}
+                      "host_adamw_busy_s": busy - self._busy_at, "gpu": gpu, "host_rss": _host_rss(),
+                      "tokens": None if self._tokens is None else list(self._tokens),
+                      "forwards": forwards - self._forwards_at}
             self._waits = dict.fromkeys(CAUSES, 0.0)
-            self._started, self._busy_at = now, busy
+            self._started, self._busy_at, self._forwards_at, self._tokens = now, busy, forwards, None
             self._steps.append(record)
             self.step += 1
             self._resolve()
@@ -139,7 +154,9 @@ class StallClock:
     def recent(self) -> list[dict]:
         """The recent steps, oldest first: ``step``, ``step_s``, ``link_s``, ``host_optimizer_s``,
         ``none_s`` (seconds), ``host_adamw_busy_s`` (host AdamW compute, overlapping or not),
-        ``gpu`` (allocated / peak bytes at the step's end, None on the CPU), ``host_rss`` (bytes)."""
+        ``gpu`` (allocated / peak bytes at the step's end, None on the CPU), ``host_rss`` (bytes), ``tokens``
+        ([batch, sequence] of the step's last training forward as the first block saw it; None where no hook
+        saw one) and ``forwards`` (training forwards in the step: more than one under accumulation)."""
         with self._lock:
             self._resolve()
             steps = [dict(s, waits=dict(s["waits"])) for s in self._steps]
