@@ -292,3 +292,31 @@ def test_a_hugging_face_bf16_full_fine_tune_on_disk_matches_ram_and_its_bound_ha
         runs.append(_params(model))
         trainstream.unwrap(model)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_trainstream_plan_puts_the_least_state_on_disk_that_fits(tmp_path, monkeypatch, capsys):
+    """Issue 46's workstation: a 7B full fine-tune on a 24 GiB GPU with 64 GiB of RAM is refused in RAM alone
+    and fits with --nvme-path, the disk's time in its bound."""
+    import json
+
+    import ts_planner
+    from trainstream._plan_cli import PLAN_SIZES, plan_main
+
+    monkeypatch.setattr(ts_planner, "disk_rates", lambda path: ts_planner.DiskRates(1.5, 2.0, True, str(path), 1))
+    args = ["--full", "--size", "7b", "--vram-gb", "24", "--host-gb", "64", "--json"]
+    assert plan_main(args) == 3
+    refused = json.loads(capsys.readouterr().out)
+    assert refused["disk"] is None and not refused["fits"]
+    assert plan_main([*args, "--nvme-path", str(tmp_path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    share = data["disk"]["share"]
+    assert data["fits"] and 0 < share < 1 and data["disk_state_share"] == share
+    assert data["host_bytes"] <= data["budget"]["host_bytes"]
+    assert data["lower_bound_s"]["disk"] == pytest.approx(data["disk_bytes"] / 1.5e9)
+    assert data["lower_bound_s"]["total"] == data["lower_bound_s"]["disk"]  # the disk paces this step
+    # The least share: a little less does not fit.
+    shape = ts_planner.ModelShape.from_config({**PLAN_SIZES["7b"], "model_type": "qwen2"})
+    budget = ts_planner.Budget(vram_bytes=24 << 30, host_bytes=64 << 30,
+                               pinned_bytes=data["budget"]["pinned_bytes"])
+    less = ts_planner.plan_memory(shape, budget, train="full", optimizer="host", disk_state_share=share * 0.97)
+    assert not less.fits

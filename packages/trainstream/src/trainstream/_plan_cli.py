@@ -86,6 +86,9 @@ def plan_parser() -> argparse.ArgumentParser:
                         help="plan one of N data-parallel processes on this machine: each gets 1/N of its RAM "
                              "(unless --host-gb) and 1/N of the streamed frozen weights' one shared copy "
                              "(default: LOCAL_WORLD_SIZE, else 1)")
+    parser.add_argument("--nvme-path", default=None, metavar="DIR",
+                        help="as wrap()'s nvme_path: when the optimizer state does not fit in host RAM, plan the least "
+                             "share of it on the disk holding DIR (its rates measured once, cached)")
     parser.add_argument("--measure", action="store_true",
                         help="price the plan with this machine's measured rates (trainstream.profile_hardware, "
                              "cached) instead of the defaults")
@@ -135,6 +138,48 @@ def _decisions(plan) -> list[dict]:
     return out
 
 
+def _host_state_overflows(plan) -> bool:
+    """Whether host RAM (or its page-locked part) is short because of the optimizer state."""
+    return any(budget != "VRAM" and category == "optimizer_state" for budget, category, _ in plan.overflow)
+
+
+def _plan_with_disk(args, parser, shape, budget, plan):
+    """(the plan with the least share of the optimizer state on disk that fits, or with all of it when none
+    does; what the disk tier holds, as wrap(nvme_path=) would place it: whole tensors, so at least this)."""
+    import dataclasses
+
+    import ts_planner
+
+    try:
+        rates = ts_planner.disk_rates(args.nvme_path)
+    except OSError as error:
+        parser.error(f"--nvme-path {args.nvme_path}: {error}")
+    budget = dataclasses.replace(budget, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps)
+    o = plan.options
+
+    def with_share(share: float):
+        return ts_planner.plan_memory(
+            shape, budget, batch=o.batch, seq=o.seq, train=o.train, lora_rank=o.lora_rank, quantize=args.quantize,
+            optimizer="host", moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
+            streamed_blocks=plan.options.streamed_blocks if args.param_offload not in (None, "auto") else "auto",
+            prefer=args.prefer, streamed_shared_by=o.streamed_shared_by, state_shared_by=o.state_shared_by,
+            disk_state_share=share)
+
+    best = with_share(1.0)
+    if best.fits:  # more state on disk never takes more RAM: the least share that fits, by bisection
+        low, high = 0.0, 1.0
+        for _ in range(12):
+            middle = (low + high) / 2
+            candidate = with_share(middle)
+            low, high, best = (low, middle, candidate) if candidate.fits else (middle, high, best)
+    share = best.options.disk_state_share
+    text = (f"nvme_path={args.nvme_path!r}: {share:.1%} of the trained values' master weights and moments "
+            f"({fmt_bytes(best.estimate.disk_bytes, 'GiB', 2)}) on disk, read and written each step; "
+            f"{rates.summary()}" + ("" if best.fits else "; even all of it on disk does not fit"))
+    return best, {"share": share, "bytes": best.estimate.disk_bytes, "rates": dataclasses.asdict(rates),
+                  "text": text}
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     """`trainstream plan`: prints the plan (or with --json one object); 0 when it fits, 3 when nothing does."""
     import ts_planner
@@ -170,11 +215,17 @@ def plan_main(argv: list[str] | None = None) -> int:
             streamed_shared_by=ranks, state_shared_by=args.world_size)
     except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
         parser.error(str(error))
+    disk = None
+    if args.nvme_path is not None and not plan.fits and _host_state_overflows(plan):
+        plan, disk = _plan_with_disk(args, parser, shape, budget, plan)
     rates = "measured rates" if profile is not None else "default rates (--measure for this machine's)"
     if args.as_json:
-        print(json.dumps({"model": name, **plan.to_dict(), "decisions": _decisions(plan), "rates": rates}, indent=1))
+        print(json.dumps({"model": name, **plan.to_dict(), "decisions": _decisions(plan), "rates": rates,
+                          "disk": disk}, indent=1))
     else:
         print(f"trainstream plan: {name}; budget: {fmt_bytes(budget.vram_bytes, 'GiB', 2)} VRAM, "
               f"{fmt_bytes(budget.host_bytes, 'GiB', 2)} host RAM ({budget.source}); {rates}")
+        if disk is not None:
+            print(disk["text"])
         print(plan.explain())
     return 0 if plan.fits else PLAN_EXIT_REFUSED
