@@ -441,18 +441,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, scenarios: list[str], out: pathlib.Path, limit: float = 120.0, timeout: float = 10.0,
-              backend: str = "gloo", device: str = "cpu") -> list[dict]:
-    """Runs `scenarios` on `world` spawned ranks; each rank's results (killed after `limit` s)."""
-    ctx = mp.start_processes(_worker, args=(world, free_port(), str(out), scenarios, timeout, backend, device),
-                             nprocs=world, join=False, start_method="spawn")
+def spawn_ranks(worker, args: tuple, world: int, what, limit: float) -> None:
+    """Runs ``worker(rank, *args)`` on ``world`` spawned ranks and waits for all; TimeoutError naming ``what``
+    after ``limit`` s; no rank outlives the call."""
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + limit
     try:
         while not ctx.join(timeout=0.5):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish {scenarios} within {limit} s")
+                raise TimeoutError(f"{world} ranks did not finish {what} within {limit} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def run_ranks(world: int, scenarios: list[str], out: pathlib.Path, limit: float = 120.0, timeout: float = 10.0,
+              backend: str = "gloo", device: str = "cpu") -> list[dict]:
+    """Runs `scenarios` on `world` spawned ranks; each rank's results (killed after `limit` s)."""
+    spawn_ranks(_worker, (world, free_port(), str(out), scenarios, timeout, backend, device), world, scenarios, limit)
     return [torch.load(out / f"results-{world}-rank{r}.pt", weights_only=False) for r in range(world)]

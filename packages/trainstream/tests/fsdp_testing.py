@@ -6,14 +6,12 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import trainstream  # before init_process_group (trainstream warns otherwise)
-from distributed_testing import free_port
+from distributed_testing import free_port, spawn_ranks
 
 WIDTH, BLOCKS, BATCH = 32, 3, 8
 
@@ -172,15 +170,5 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> Non
 
 
 def run(world: int, cases: list[str], out: pathlib.Path, limit: float = 180.0) -> list[dict]:
-    ctx = mp.start_processes(_worker, args=(world, free_port(), str(out), cases), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + limit
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish {cases} within {limit} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, (world, free_port(), str(out), cases), world, cases, limit)
     return [torch.load(out / f"fsdp-{world}-rank{r}.pt", weights_only=False) for r in range(world)]

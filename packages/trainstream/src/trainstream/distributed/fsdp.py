@@ -63,6 +63,14 @@ def check_sharded(model: torch.nn.Module) -> None:
                              f"parallel meshes not yet)")
 
 
+def _hand_over(p: torch.nn.Parameter, proxy: torch.nn.Parameter) -> None:
+    """Moves a sharded parameter's gradient shard to its proxy; one already there (an earlier hand-over that
+    step() did not take: accumulation) is summed, as autograd sums."""
+    local = p.grad._local_tensor if is_dtensor(p.grad) else p.grad
+    proxy.grad = local if proxy.grad is None else proxy.grad + local
+    p.grad = None
+
+
 class ShardProxies:
     """The proxies of an optimizer's sharded parameters (module docstring); built by ``replace_in``."""
 
@@ -71,6 +79,7 @@ class ShardProxies:
         self._groups: list[tuple[dict, list]] = []  # (param group, its original params), for restore
         self.group = None  # the mesh's process group (the norm's all-reduce)
         self._patched: list = []  # FSDP2 parameter groups whose post_backward overlap() wrapped
+        self._by_proxy: dict[int, torch.nn.Parameter] = {}  # id(proxy) -> its DTensor parameter (sharded_of)
 
     @classmethod
     def replace_in(cls, optimizer) -> ShardProxies:
@@ -94,7 +103,9 @@ class ShardProxies:
 
     def sharded_of(self, proxy: torch.Tensor) -> torch.nn.Parameter | None:
         """The DTensor parameter a proxy stands for (None for a parameter that is not sharded)."""
-        return next((p for p, x in self.pairs if x is proxy), None)
+        if len(self._by_proxy) != len(self.pairs):
+            self._by_proxy = {id(x): p for p, x in self.pairs}
+        return self._by_proxy.get(id(proxy))
 
     def as_global(self, proxy: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """A state tensor of a proxy's shape as a DTensor laid out as its parameter (DCP then writes each
@@ -111,12 +122,8 @@ class ShardProxies:
         """step(): each reduce-scattered gradient shard moves to its proxy (invariant 2); a gradient already
         on the proxy (an earlier hand-over that step() did not take) is summed, as autograd would."""
         for p, proxy in self.pairs:
-            grad = p.grad
-            if grad is None:
-                continue
-            local = grad._local_tensor if is_dtensor(grad) else grad
-            proxy.grad = local if proxy.grad is None else proxy.grad + local
-            p.grad = None
+            if p.grad is not None:
+                _hand_over(p, proxy)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The sharded parameters' own gradients (FSDP2's, not yet handed over), as the optimizer's zero_grad."""
@@ -162,9 +169,7 @@ class ShardProxies:
             proxy = proxies.get(id(p))
             if proxy is None or p.grad is None:
                 continue
-            local = p.grad._local_tensor if is_dtensor(p.grad) else p.grad
-            proxy.grad = local if proxy.grad is None else proxy.grad + local  # accumulation, as autograd sums
-            p.grad = None
+            _hand_over(p, proxy)
             engine.gradient_ready(proxy)
 
     def restore(self) -> None:
