@@ -68,6 +68,9 @@ def test_state_on_disk_trains_bit_for_bit_like_state_in_ram(tmp_path, options):
     assert runs[0][3]["optimizer"]["disk"] is None
     assert disk["params"] > 0 and disk["updates"] > 0 and disk["failed"] is None
     assert runs[1][3]["plan"]["host_state_bytes"] <= budget < runs[0][3]["plan"]["host_state_bytes"]
+    stalls = runs[1][3]["stalls"]  # the worker's disk waits reach the stall clock, within each step
+    assert sum(s["disk_wait_s"] for s in stalls) > 0 and all(s["disk_s"] <= s["step_s"] for s in stalls)
+    assert all(s["disk_wait_s"] == 0 for s in runs[0][3]["stalls"])
     assert any("nvme_path" in line for line in runs[1][3]["events"])
 
 

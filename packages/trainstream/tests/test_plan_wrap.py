@@ -166,8 +166,8 @@ def test_memory_report_has_the_plan_and_the_stalls_of_recent_steps():
     stalls = report["stalls"]
     assert [s["step"] for s in stalls] == [1, 2, 3]
     for s in stalls:
-        assert s["link_s"] + s["host_optimizer_s"] + s["none_s"] == pytest.approx(s["step_s"])
-        assert min(s["link_s"], s["host_optimizer_s"], s["none_s"]) >= 0
+        assert s["link_s"] + s["host_optimizer_s"] + s["disk_s"] + s["none_s"] == pytest.approx(s["step_s"])
+        assert min(s["link_s"], s["host_optimizer_s"], s["none_s"]) >= 0 and s["disk_s"] == s["disk_wait_s"] == 0
 
 
 def test_describe_model_reads_lora_and_plain_models():
@@ -262,6 +262,11 @@ def test_stalls_from_timings_attributes_every_second_once():
     assert over["link_s"] == pytest.approx(0.75) and over["none_s"] == 0.0
     with pytest.raises(ValueError, match="unknown wait cause"):
         stalls_from_timings(1.0, {"compute": 0.1})
+    # The worker's disk waits are charged to the disk out of the host-optimizer wait, never beyond it.
+    disk = stalls_from_timings(1.0, {"link": 0.25, "host_optimizer": 0.5}, disk_wait_s=0.2)
+    assert (disk["host_optimizer_s"], disk["disk_s"], disk["none_s"]) == (0.3, 0.2, 0.25)
+    capped = stalls_from_timings(1.0, {"host_optimizer": 0.1}, disk_wait_s=0.7)
+    assert (capped["host_optimizer_s"], capped["disk_s"]) == (0.0, 0.1)
 
 
 def test_observed_channel_times_only_waits_that_can_stall():

@@ -129,8 +129,8 @@ def _waits_panel(ax, steps: list[int], stalls: list[dict], plan: dict, tokens, f
     top = max(s["step_s"] for s in stalls) * 1e3 or 1.0
     bottom = [0.0] * len(steps)
     for key, label, color in (("link_s", "link", "C0"), ("host_optimizer_s", "host optimizer", "C1"),
-                              ("none_s", "nothing (compute, data, your code)", "C2")):
-        values = [s[key] * 1e3 for s in stalls]
+                              ("disk_s", "disk (nvme_path)", "C4"), ("none_s", "nothing (compute, data, your code)", "C2")):
+        values = [s.get(key, 0.0) * 1e3 for s in stalls]
         if max(values) >= VISIBLE * top:  # a part no step shows is not drawn, so it has no legend entry
             ax.bar(steps, values, bottom=bottom, label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, values)]

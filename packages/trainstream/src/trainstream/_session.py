@@ -287,7 +287,9 @@ class TrainStreamSession:
         # Over the updater, not the engine or the session: the worker's thread holds the updater (and through
         # its observer the clock), so a reference to the engine here would keep a dropped model alive.
         engine = weakref.ref(self.engine)
+        tier = self.engine.disk  # the disk tier (nvme_path) or None; its counters, not the engine
         self.stalls = StallClock(self.device, busy=lambda: host.busy_seconds,
+                                 disk_wait=(lambda: 0.0) if tier is None else tier.wait_seconds,
                                  forwards=lambda: getattr(engine(), "training_forwards", 0))
         self._observe(self.stalls)
         blocks = self.activations.blocks if self.activations is not None else []

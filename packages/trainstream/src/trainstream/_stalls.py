@@ -1,5 +1,6 @@
 """Stall attribution: per optimizer step, how long the training loop waited on the host<->GPU link,
-on the host optimizer, and on nothing (the rest of the step: compute, data, the user's code).
+on the host optimizer, on the disk holding optimizer state (nvme_path), and on nothing (the rest of the
+step: compute, data, the user's code).
 
 ``StallClock`` keeps the recent steps. It is a ``WaitObserver`` (engine/channel.py): the session has
 the engine, the weight streamer and the activation pager report their waits to it (``observe``), and
@@ -7,6 +8,11 @@ closes a step after each optimizer step. Waits are recorded where they happen: `
 around a wait that blocks the Python thread; ``device_wait(cause)`` around a wait enqueued on the
 compute stream (timed with a pair of CUDA events, read at a later step end, so nothing synchronizes).
 ``stalls_from_timings`` turns one step's timings into the reported numbers.
+
+The disk is waited on by the host worker, not by the training loop: a host-optimizer wait is charged to
+the disk for as long as the worker itself waited on disk transfers during the step (at most the whole
+wait), the rest stays the host optimizer's. That assumes the worker's disk waits fell inside the loop's
+waits, so ``disk_s`` is the most the disk can have cost the step.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ __all__ = ["CAUSES", "StallClock", "stalls_from_timings"]
 CAUSES = ("link", "host_optimizer")
 
 
-def stalls_from_timings(step_s: float, waits: dict[str, float]) -> dict[str, float]:
+def stalls_from_timings(step_s: float, waits: dict[str, float], disk_wait_s: float = 0.0) -> dict[str, float]:
     """One step's attribution (seconds): ``link_s`` and ``host_optimizer_s`` as waited (each at most the
-    step, together at most the step: overlapping waits are scaled down to fit) and ``none_s`` the rest."""
+    step, together at most the step: overlapping waits are scaled down to fit), ``disk_s`` the part of the
+    host-optimizer wait the worker spent waiting on the disk (``disk_wait_s``; module docstring), and
+    ``none_s`` the rest."""
     if not step_s >= 0:
         raise ValueError(f"step_s={step_s!r} must be a number of seconds >= 0")
     unknown = set(waits) - set(CAUSES)
@@ -37,6 +45,8 @@ def stalls_from_timings(step_s: float, waits: dict[str, float]) -> dict[str, flo
     scale = step_s / total if total > step_s else 1.0
     out = {f"{c}_s": parts[c] * scale for c in CAUSES}
     out["none_s"] = max(0.0, step_s - sum(out.values()))
+    out["disk_s"] = min(out["host_optimizer_s"], max(0.0, float(disk_wait_s)))
+    out["host_optimizer_s"] -= out["disk_s"]
     out["step_s"] = step_s
     return out
 
@@ -53,13 +63,16 @@ class StallClock:
     """Per-step waits of one wrapped model (thread-safe; waits on other threads than the training
     loop's are not stalls of the step and are ignored). ``recent()``: the last ``keep`` steps."""
 
-    def __init__(self, device: torch.device, keep: int = 32, busy=lambda: 0.0, forwards=lambda: 0):
+    def __init__(self, device: torch.device, keep: int = 32, busy=lambda: 0.0, forwards=lambda: 0,
+                 disk_wait=lambda: 0.0):
         self.device = device
         self._cuda = device.type == "cuda"
         self._thread = threading.get_ident()
         self._lock = threading.Lock()
         self._busy = busy  # cumulative host AdamW seconds (the worker's counter)
         self._busy_at = busy()
+        self._disk_wait = disk_wait  # cumulative seconds the host worker waited on the disk tier's transfers
+        self._disk_wait_at = disk_wait()
         self._forwards = forwards  # cumulative training forwards (the engine's counter)
         self._forwards_at = forwards()
         self._tokens: tuple[int, int] | None = None  # (batch, sequence) of this step's last training forward
@@ -137,23 +150,24 @@ class StallClock:
     def step_finished(self) -> None:
         """Closes the current step (called after each optimizer step)."""
         now = time.perf_counter()
-        busy, forwards = self._busy(), self._forwards()
+        busy, forwards, disk_wait = self._busy(), self._forwards(), self._disk_wait()
         gpu = ({"allocated": torch.cuda.memory_allocated(self.device),
                 "peak_allocated": torch.cuda.max_memory_allocated(self.device)} if self._cuda else None)
         with self._lock:
             record = {"step": self.step + 1, "step_s": now - self._started, "waits": dict(self._waits),
                       "host_adamw_busy_s": busy - self._busy_at, "gpu": gpu, "host_rss": _host_rss(),
                       "tokens": None if self._tokens is None else list(self._tokens),
-                      "forwards": forwards - self._forwards_at}
+                      "forwards": forwards - self._forwards_at, "disk_wait_s": disk_wait - self._disk_wait_at}
             self._waits = dict.fromkeys(CAUSES, 0.0)
             self._started, self._busy_at, self._forwards_at, self._tokens = now, busy, forwards, None
+            self._disk_wait_at = disk_wait
             self._steps.append(record)
             self.step += 1
             self._resolve()
 
     def recent(self) -> list[dict]:
-        """The recent steps, oldest first: ``step``, ``step_s``, ``link_s``, ``host_optimizer_s``,
-        ``none_s`` (seconds), ``host_adamw_busy_s`` (host AdamW compute, overlapping or not),
+        """The recent steps, oldest first: ``step``, ``step_s``, ``link_s``, ``host_optimizer_s``, ``disk_s``,
+        ``none_s`` (seconds), ``disk_wait_s`` (the host worker's waits on the disk tier, overlapping or not), ``host_adamw_busy_s`` (host AdamW compute, overlapping or not),
         ``gpu`` (allocated / peak bytes at the step's end, None on the CPU), ``host_rss`` (bytes), ``tokens``
         ([batch, sequence] of the step's last training forward as the first block saw it; None where no hook
         saw one) and ``forwards`` (training forwards in the step: more than one under accumulation)."""
@@ -163,5 +177,5 @@ class StallClock:
         out = []
         for s in steps:
             waits = s.pop("waits")
-            out.append({**s, **stalls_from_timings(s["step_s"], waits)})
+            out.append({**s, **stalls_from_timings(s["step_s"], waits, s["disk_wait_s"])})
         return out

@@ -75,6 +75,10 @@ class DiskTier:
 
     # ---- the engine --------------------------------------------------------------------------------------
 
+    def wait_seconds(self) -> float:
+        """Seconds the worker has waited on this tier's reads and writes, in all (the stall clock's disk)."""
+        return self.seconds["read_wait_s"] + self.seconds["write_wait_s"]
+
     def report(self) -> dict:
         """What ``memory_report(model)["optimizer"]["disk"]`` shows."""
         return {"path": self.directory, "file_bytes": self.state.nbytes, "params": len(self.state.names),
