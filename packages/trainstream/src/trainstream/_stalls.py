@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import threading
 import time
 
@@ -52,11 +51,12 @@ def stalls_from_timings(step_s: float, waits: dict[str, float], disk_wait_s: flo
 
 
 def _host_rss() -> int | None:
+    """This process's resident memory (psutil, which the Hugging Face extra brings); None without it."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        import psutil
+    except ImportError:
         return None
+    return psutil.Process().memory_info().rss
 
 
 class StallClock:
@@ -168,7 +168,8 @@ class StallClock:
     def recent(self) -> list[dict]:
         """The recent steps, oldest first: ``step``, ``step_s``, ``link_s``, ``host_optimizer_s``, ``disk_s``,
         ``none_s`` (seconds), ``disk_wait_s`` (the host worker's waits on the disk tier, overlapping or not), ``host_adamw_busy_s`` (host AdamW compute, overlapping or not),
-        ``gpu`` (allocated / peak bytes at the step's end, None on the CPU), ``host_rss`` (bytes), ``tokens``
+        ``gpu`` (allocated / peak bytes at the step's end, None on the CPU), ``host_rss`` (bytes; None without
+        psutil), ``tokens``
         ([batch, sequence] of the step's last training forward as the first block saw it; None where no hook
         saw one) and ``forwards`` (training forwards in the step: more than one under accumulation)."""
         with self._lock:
