@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from trainstream import cli
-from trainstream._plan_cli import plan_parser
+from trainstream._plan_cli import plan_main, plan_parser
 
 # Qwen2.5's published config.json fields (the part the planner reads), bundled so no test needs the Hub.
 QWEN25 = {
@@ -197,7 +197,7 @@ def test_a_mixture_of_experts_config_counts_every_expert(tmp_path, capsys):
 
 # Flags that describe the run or the machine rather than set an option of wrap().
 RUN_FLAGS = {"--help", "--model", "--config", "--size", "--batch", "--seq", "--lora-rank", "--full", "--vram-gb",
-             "--host-gb", "--local-ranks", "--world-size", "--measure", "--json"}  # the run, not wrap() options
+             "--host-gb", "--local-ranks", "--world-size", "--fsdp", "--measure", "--json"}  # the run, not wrap()'s
 
 
 def test_flags_and_decisions_use_the_configuration_s_names(capsys):
@@ -236,6 +236,22 @@ def test_world_size_prices_one_rank_s_share_of_the_host_state(capsys):
     assert state[1] / 128 < state[128] < state[1] / 16  # the output layer's owner: 6.7x the average
     code, out = _run(["--size", "14b", "--full", "--vram-gb", "24", "--host-gb", "64", "--world-size", "64"], capsys)
     assert code == 0, out  # a 14B full fine-tune's state fits 64 GB per rank when 64 ranks split it
+
+
+def test_fsdp_plans_one_rank_of_the_sharded_model_and_its_network(capsys):
+    args = ["--size", "14b", "--full", "--vram-gb", "80", "--host-gb", "200", "--world-size", "128", "--json"]
+    replicated = json.loads(_run(args, capsys)[1])
+    code, out = _run([*args, "--fsdp"], capsys)
+    sharded = json.loads(out)
+    assert code == 0 and sharded["fsdp_shards"] == 128 and replicated["fsdp_shards"] == 1
+    # Each rank holds 1/128 of the weights (and the two blocks it gathers), not all of them.
+    assert sharded["vram"]["trained_weights"] < replicated["vram"]["trained_weights"] / 8
+    assert sharded["network_bytes"] > replicated["network_bytes"] > 0  # gathers twice, reduces at fp32
+    assert sharded["lower_bound_s"]["network"] == pytest.approx(sharded["network_bytes"] / 50e9)
+    for bad in (["--world-size", "1"], ["--param-offload", "4"]):
+        with pytest.raises(SystemExit):
+            plan_main(["--size", "14b", "--full", "--vram-gb", "80", "--fsdp", *bad])
+    assert "--fsdp shards" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spelling", [["24"], ["24GiB"], ["24 gib"], ["24G"], [f"{24 * 2**30 / 1e9!r}GB"]])

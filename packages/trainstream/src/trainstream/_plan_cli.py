@@ -86,6 +86,10 @@ def plan_parser() -> argparse.ArgumentParser:
                         help="plan one of N data-parallel processes on this machine: each gets 1/N of its RAM "
                              "(unless --host-gb) and 1/N of the streamed frozen weights' one shared copy "
                              "(default: LOCAL_WORLD_SIZE, else 1)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the model is sharded by FSDP2 (fully_shard) over the --world-size ranks: each holds 1/N "
+                             "of every weight, gradient and optimizer state by element, gathers a block to run it, "
+                             "and the network carries the all-gathers and the reduce-scatter")
     parser.add_argument("--nvme-path", default=None, metavar="DIR",
                         help="as wrap()'s nvme_path: when the optimizer state does not fit in host RAM, plan the least "
                              "share of it on the disk holding DIR (its rates measured once, cached)")
@@ -163,7 +167,7 @@ def _plan_with_disk(args, parser, shape, budget, plan):
             optimizer="host", moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
             streamed_blocks=plan.options.streamed_blocks if args.param_offload not in (None, "auto") else "auto",
             prefer=args.prefer, streamed_shared_by=o.streamed_shared_by, state_shared_by=o.state_shared_by,
-            disk_state_share=share)
+            fsdp_shards=o.fsdp_shards, disk_state_share=share)
 
     best = with_share(1.0)
     if best.fits:  # more state on disk never takes more RAM: the least share that fits, by bisection
@@ -201,6 +205,9 @@ def plan_main(argv: list[str] | None = None) -> int:
             vram_bytes=args.vram_bytes, host_bytes=args.host_bytes, processes=ranks, profile=profile)
     except RuntimeError:  # no GPU here and no --vram-gb
         parser.error("this machine has no CUDA device: pass --vram-gb (the GPU memory to plan for, in GiB)")
+    if args.fsdp and (args.world_size < 2 or args.param_offload not in (None, "auto")):
+        parser.error("--fsdp shards over --world-size N ranks (N >= 2), and FSDP2 owns the sharded weights: "
+                     "--param-offload does not apply")
     lora = args.lora_rank is not None
     layers = shape.num_hidden_layers
     streamed = "auto" if args.param_offload in (None, "auto") else (
@@ -212,7 +219,8 @@ def plan_main(argv: list[str] | None = None) -> int:
             lora_rank=args.lora_rank or 16, quantize=args.quantize,
             optimizer=optimizer, moment_dtype=args.moment_dtype, loss_chunk=args.loss_chunk,
             streamed_blocks=streamed, prefer=args.prefer,
-            streamed_shared_by=ranks, state_shared_by=args.world_size)
+            streamed_shared_by=ranks, state_shared_by=1 if args.fsdp else args.world_size,
+            fsdp_shards=args.world_size if args.fsdp else 1)
     except ValueError as error:  # a combination the planner refuses (--quantize nf4 with --full, too many blocks)
         parser.error(str(error))
     disk = None

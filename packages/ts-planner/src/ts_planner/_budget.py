@@ -20,7 +20,9 @@ class Budget:
     the CUDA context (None: not checked). ``headroom``: fraction of ``vram_bytes`` left for allocator
     fragmentation. Rates: host<->GPU link GB/s, host AdamW parameters/s, bf16 matmul TFLOP/s, and the disk
     that holds optimizer state (``disk_rates`` measures it); the disk defaults are a fast PCIe 4 NVMe
-    drive's sequential rates, high on purpose: an unmeasured bound stays a lower bound."""
+    drive's sequential rates, high on purpose: an unmeasured bound stays a lower bound. ``network_gbps``: what
+    one rank sends to the others per second (default a 400 Gb/s NIC per GPU, as on H100 clusters; within one
+    machine NVLink is faster, so again a bound from below)."""
 
     vram_bytes: int
     host_bytes: int
@@ -33,6 +35,7 @@ class Budget:
     source: str = "given"
     disk_read_gbps: float = 7.0
     disk_write_gbps: float = 6.0
+    network_gbps: float = 50.0
 
     def __post_init__(self) -> None:
         for name in ("vram_bytes", "host_bytes", "pinned_bytes"):
@@ -41,7 +44,8 @@ class Budget:
                 raise ValueError(f"Budget.{name}={value!r} must be an integer number of bytes >= 0")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"Budget.headroom={self.headroom!r} must be in [0, 1)")
-        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops", "disk_read_gbps", "disk_write_gbps"):
+        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops", "disk_read_gbps", "disk_write_gbps",
+                     "network_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Budget.{name}={getattr(self, name)!r} must be > 0")
 

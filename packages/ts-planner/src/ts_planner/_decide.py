@@ -42,9 +42,9 @@ _ADVICE = {
 class Plan:
     """A plan and its numbers. ``fits``: every budget holds. ``overflow``: (budget, largest category there,
     bytes over) for each budget that does not. Lower bound of a step (seconds) = max of ``compute_s``,
-    ``link_s``, ``host_optimizer_s`` and ``disk_s`` (the state on disk read, and written, at the disk's
+    ``link_s``, ``host_optimizer_s``, ``disk_s`` (the state on disk read, and written, at the disk's
     rates: the longer of the two, so a drive that reads and writes at full rate at once still bounds it
-    from below). ``choices``: what the planner decided, and why."""
+    from below) and ``network_s`` (what the rank sends to the others, data parallel or FSDP2). ``choices``: what the planner decided, and why."""
 
     fits: bool
     shape: ModelShape
@@ -58,10 +58,11 @@ class Plan:
     reason: str
     choices: tuple[str, ...] = ()
     disk_s: float = 0.0
+    network_s: float = 0.0
 
     @property
     def lower_bound_s(self) -> float:
-        return max(self.compute_s, self.link_s, self.host_optimizer_s, self.disk_s)
+        return max(self.compute_s, self.link_s, self.host_optimizer_s, self.disk_s, self.network_s)
 
     @property
     def peak_vram_bytes(self) -> int:
@@ -96,7 +97,8 @@ class Plan:
             "streamed_block_indices": list(self.streamed), "streamed_shared_by": o.streamed_shared_by,
             "compact_lora_inputs": o.compact_lora_inputs, "stream_packing": o.stream_packing,
             "embedding_on_host": o.embedding_on_host, "disk_state_share": o.disk_state_share,
-            "disk_bytes": self.estimate.disk_bytes,
+            "disk_bytes": self.estimate.disk_bytes, "fsdp_shards": o.fsdp_shards,
+            "network_bytes": self.estimate.network_bytes,
             "activations": {"keep": keep, "page": page, "recompute": recompute},
             "peak_vram_bytes": self.peak_vram_bytes, "cuda_context_bytes": self.estimate.vram["cuda_context"],
             "host_bytes": self.host_bytes, "pinned_bytes": self.estimate.pinned_bytes,
@@ -105,7 +107,8 @@ class Plan:
             "vram": dict(self.estimate.vram), "host": dict(self.estimate.host),
             "activation_bytes_per_block": self.estimate.saved_bytes,
             "lower_bound_s": {"total": self.lower_bound_s, "compute": self.compute_s, "link": self.link_s,
-                              "host_optimizer": self.host_optimizer_s, "disk": self.disk_s},
+                              "host_optimizer": self.host_optimizer_s, "disk": self.disk_s,
+                              "network": self.network_s},
             "overflow": [{"budget": b, "category": c, "bytes": n} for b, c, n in self.overflow],
             "choices": list(self.choices),
         }
@@ -133,7 +136,9 @@ class Plan:
                      f"{b.matmul_tflops:.0f} TFLOP/s, link {self.link_s:.3f} s at {b.link_gbps:.1f} GB/s, host AdamW "
                      f"{self.host_optimizer_s:.3f} s at {b.host_adamw_params_per_s / 1e9:.2f} G params/s"
                      + (f", disk {self.disk_s:.3f} s for {e.disk_bytes / GiB:.2f} GiB read and written at "
-                        f"{b.disk_read_gbps:.2f} / {b.disk_write_gbps:.2f} GB/s" if e.disk_bytes else "") + ")")
+                        f"{b.disk_read_gbps:.2f} / {b.disk_write_gbps:.2f} GB/s" if e.disk_bytes else "")
+                     + (f", network {self.network_s:.3f} s for {e.network_bytes / GiB:.2f} GiB sent at "
+                        f"{b.network_gbps:.0f} GB/s" if e.network_bytes else "") + ")")
         return "\n".join(lines)
 
 
@@ -191,12 +196,13 @@ def check_plan(shape: ModelShape, budget: Budget, options: Options, choices: tup
     link = max(e.h2d_bytes, e.d2h_bytes) / (budget.link_gbps * 1e9)
     host = e.host_optimizer_params / budget.host_adamw_params_per_s
     disk = max(e.disk_bytes / (budget.disk_read_gbps * 1e9), e.disk_bytes / (budget.disk_write_gbps * 1e9))
+    network = e.network_bytes / (budget.network_gbps * 1e9)
     if over:
         reason = _refusal(over, e, budget, options)
     else:
         reason = (f"{e.allocator_bytes / GiB:.2f} GiB of {budget.usable_vram / GiB:.2f} GiB usable VRAM, "
                   f"{e.host_bytes / GiB:.2f} GiB of {budget.host_bytes / GiB:.2f} GiB host RAM")
-    return Plan(not over, shape, options, budget, e, over, compute, link, host, reason, tuple(choices), disk)
+    return Plan(not over, shape, options, budget, e, over, compute, link, host, reason, tuple(choices), disk, network)
 
 
 def _auto(value, name: str, choices: tuple) -> tuple:
@@ -213,7 +219,8 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                 activations="auto", streamed_blocks="auto", loss_chunk: int | None = None,
                 prefer: str = "exact", streamed_shared_by: int = 1, state_shared_by: int = 1,
                 compact_lora_inputs: bool = False,
-                stream_packing: float = 1.0, embedding_on_host: bool = False, disk_state_share: float = 0.0) -> Plan:
+                stream_packing: float = 1.0, embedding_on_host: bool = False, disk_state_share: float = 0.0,
+                fsdp_shards: int = 1) -> Plan:
     """The plan that fits changing the least, or the closest one with ``fits=False`` and the reason.
 
     Every argument given a value stays as given; each "auto" is chosen. In order of preference: no
@@ -237,7 +244,7 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
                    streamed_shared_by=streamed_shared_by, state_shared_by=state_shared_by,
                    compact_lora_inputs=compact_lora_inputs,
                    stream_packing=stream_packing, embedding_on_host=embedding_on_host,
-                   disk_state_share=disk_state_share)
+                   disk_state_share=disk_state_share, fsdp_shards=fsdp_shards)
     if quantize == "none":
         quantize = None
     if quantize == "auto":
@@ -248,6 +255,8 @@ def plan_memory(shape: ModelShape, budget: Budget, *, batch: int = 1, seq: int =
     # reductions (trainstream's rule too: fp32 unless it does not fit), never to keep the state in VRAM.
     combos = [(opt, mom) for mom in _auto(moment_dtype, "moment_dtype", ("float32", "bfloat16"))
               for opt in _auto(optimizer, "optimizer", ("gpu", "host"))]
+    if fsdp_shards > 1 and streamed_blocks == "auto":
+        streamed_blocks = 0  # FSDP2 owns the sharded weights: nothing streams
     if streamed_blocks == "auto":
         s_range = None
     elif isinstance(streamed_blocks, int) and not isinstance(streamed_blocks, bool) and 0 <= streamed_blocks <= layers:

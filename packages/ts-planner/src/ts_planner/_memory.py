@@ -38,6 +38,11 @@ class Options:
     reads the rows it looks up over the link (trainstream's ``host_embedding``). ``disk_state_share``: the
     fraction of the host optimizer's values whose fp32 master and moments live on disk (trainstream's
     ``nvme_path``): taken off host RAM, read and written once per step (``MemoryEstimate.disk_bytes``).
+    ``fsdp_shards``: FSDP2 (``fully_shard``) over that many ranks: each holds 1/N of every weight, gradient and
+    optimizer state by element, all-gathers a block's weights to run it (the running block and the next one
+    in flight) and reduce-scatters its gradients (priced at fp32, FSDP2's ``reduce_dtype`` in trainstream's
+    tests); ``MemoryEstimate.network_bytes`` counts what each rank sends. Not with streamed blocks or
+    ``state_shared_by`` (trainstream's own data parallel).
     """
 
     batch: int = 1
@@ -62,6 +67,7 @@ class Options:
     stream_packing: float = 1.0
     embedding_on_host: bool = False
     disk_state_share: float = 0.0
+    fsdp_shards: int = 1
 
     def __post_init__(self) -> None:
         def count(name, value, low):
@@ -75,6 +81,10 @@ class Options:
         count("streamed_blocks", self.streamed_blocks, 0)
         count("streamed_shared_by", self.streamed_shared_by, 1)
         count("state_shared_by", self.state_shared_by, 1)
+        count("fsdp_shards", self.fsdp_shards, 1)
+        if self.fsdp_shards > 1 and (self.streamed_blocks or self.state_shared_by > 1):
+            raise ValueError("fsdp_shards: FSDP2 owns the sharded weights; streamed blocks and trainstream's own "
+                             "data parallel (state_shared_by) do not apply")
         if self.keep is not None:
             count("keep", self.keep, 0)
         if isinstance(self.stream_packing, bool) or not (isinstance(self.stream_packing, (int, float))
@@ -126,7 +136,9 @@ class MemoryEstimate:
     ``saved_bytes`` (unique storage a kept block holds), ``paged_bytes`` (what paging one block copies out),
     ``block_weight_bytes`` (one block's weights as stored on the device). Per step: ``h2d_bytes`` and
     ``d2h_bytes`` over the link, ``flops``, ``host_optimizer_params`` (values host AdamW updates), ``block_forward_flops`` (what
-    recomputing one block costs), ``disk_bytes`` (optimizer state on disk: read and written once each)."""
+    recomputing one block costs), ``disk_bytes`` (optimizer state on disk: read and written once each),
+    ``network_bytes`` (what this rank sends to the others in a step: data parallel's gradient reduction and
+    weight broadcast, or FSDP2's all-gathers and reduce-scatter; ring collectives, (N-1)/N of each tensor)."""
 
     vram: dict[str, int]
     host: dict[str, int]
@@ -141,6 +153,7 @@ class MemoryEstimate:
     host_optimizer_params: int
     block_forward_flops: float
     disk_bytes: int = 0
+    network_bytes: int = 0
 
     @property
     def allocator_bytes(self) -> int:
@@ -176,7 +189,9 @@ def state_share(shape: ModelShape, options: Options) -> float:
     """The fraction of the trained values whose host optimizer state the busiest of ``state_shared_by`` ranks
     holds: whole tensors go to owners balanced by size, so an owner holds at least 1/ranks of them and at least
     the largest tensor (the embedding or the output layer of a full fine-tune; with many ranks, far above
-    the average)."""
+    the average). Under FSDP2 (``fsdp_shards``) every rank holds 1/N by element."""
+    if options.fsdp_shards > 1:
+        return 1.0 / options.fsdp_shards  # FSDP2 shards by element: an even split
     ranks = options.state_shared_by
     if ranks == 1:
         return 1.0
@@ -190,6 +205,20 @@ def state_share(shape: ModelShape, options: Options) -> float:
         trained = layers * sum(n * o.lora_rank * (i + j) for i, j, n in targets)
         largest = max((n * o.lora_rank * max(i, j) for i, j, n in targets), default=0)
     return 1.0 if trained == 0 else max(1.0 / ranks, largest / trained)
+
+
+def _network_bytes(o: Options, trained: int, trained_dtype: int, weight_bytes_all: int) -> int:
+    """Bytes one rank sends in a step over ring collectives ((N-1)/N of each tensor). trainstream's data parallel
+    (``state_shared_by``): the gradients reduced to their owners and the new weights broadcast back, each once.
+    FSDP2 (``fsdp_shards``): every weight all-gathered twice (forward, and backward or recomputation) and the
+    trained gradients reduce-scattered once at fp32 (the ZeRO-3 volume, arXiv 1910.02054 section 7)."""
+    if o.fsdp_shards > 1:
+        n = o.fsdp_shards
+        return round((2 * weight_bytes_all + trained * 4) * (n - 1) / n)
+    if o.state_shared_by > 1:
+        n = o.state_shared_by
+        return round(2 * trained * trained_dtype * (n - 1) / n)
+    return 0
 
 
 def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int = 512 * MiB,
@@ -231,8 +260,9 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     # (the full7b plan added them and over-predicted its peak by 15 %). A tied weight's gradient sums its
     # output-layer and embedding parts, so autograd holds it through the whole backward.
     if o.optimizer == "gpu":
-        grads = trained * trained_dtype
-        state = trained * (2 * m + (4 if trained_dtype != 4 and o.master_weights else 0))
+        shards = o.fsdp_shards  # FSDP2: each rank's gradients and state are its shards (plus a block in flight)
+        grads = math.ceil(trained * trained_dtype / shards) + (2 * block_trained * trained_dtype if shards > 1 else 0)
+        state = math.ceil(trained * (2 * m + (4 if trained_dtype != 4 and o.master_weights else 0)) / shards)
         host_state, host_params, disk_bytes = 0, 0, 0
     else:
         in_flight = 2 * block_trained * trained_dtype
@@ -287,5 +317,10 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     head_fwd = 2 * tokens * h * v
     passes = 3 if o.train == "full" else 2  # a frozen base needs no weight gradients
     flops = layers * block_fwd * passes + head_fwd * passes + recompute * block_fwd
+    network = _network_bytes(o, trained, trained_dtype, layers * block_bytes + outer * a)
+    if o.fsdp_shards > 1:  # each rank keeps 1/N of the weights, and gathers the running block and the next
+        n = o.fsdp_shards
+        vram["trained_weights"] = math.ceil(vram["trained_weights"] / n) + 2 * block_trained_bytes
+        vram["frozen_weights"] = math.ceil(vram["frozen_weights"] / n) + 2 * block_frozen_bytes
     return MemoryEstimate(vram, host, pinned, unique, packed, block_bytes, trained, h2d, d2h, float(flops),
-                          host_params, float(block_fwd), disk_bytes)
+                          host_params, float(block_fwd), disk_bytes, network)
