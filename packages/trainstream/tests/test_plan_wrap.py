@@ -155,7 +155,7 @@ def test_memory_report_has_the_plan_and_the_stalls_of_recent_steps():
                 "peak_vram_bytes", "host_bytes", "lower_bound_s", "choices", "state", "tokens", "message"):
         assert key in plan, key
     assert plan["fits"] and plan["tokens"] == {"batch": 1, "seq": PLAN_SEQ, "fits": True}
-    assert set(plan["lower_bound_s"]) == {"total", "compute", "link", "host_optimizer", "disk"}
+    assert set(plan["lower_bound_s"]) == {"total", "compute", "link", "host_optimizer", "disk", "network"}
     assert plan["lower_bound_s"]["total"] == max(plan["lower_bound_s"][k] for k in ("compute", "link", "host_optimizer"))
     assert plan["resident_blocks"] == 2 and plan["streamed_blocks"] == 0 and plan["train"] == "full"
     assert plan["moment_dtype"] == "float32" and plan["quantize"] is None
