@@ -77,6 +77,7 @@ def test_the_plain_demo_is_a_short_console_summary_in_cpu_words(capsys):
     out = printed.out
     assert re.search(r"done: loss [\d.]+ -> [\d.]+ in 3 steps, median step [\d.]+ (ms|s)", out)
     assert "  optimizer state   host " in out and "  decided           " in out and "--json PATH" in out
+    assert "sample " not in out  # no tokenizer: no generation
     events = [line for line in lines if EVENT.match(line)]
     assert any(line.startswith("trainstream plan: ") for line in events)
     jargon = [(word, line) for line in events for word in GPU_WORDS if word in line]
@@ -108,8 +109,13 @@ def test_the_lora_demo_s_console_without_the_gguf_file(capsys, monkeypatch):
     pytest.importorskip("peft")
 
     class Bytes:  # a tokenizer of the built-in text's bytes (the tiny decoder's 256 ids)
+        eos_token_id = None
+
         def __call__(self, text):
             return {"input_ids": list(text.encode("utf-8"))}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return bytes(ids).decode("utf-8", errors="replace")
 
     monkeypatch.setattr(cli, "smollm2_gguf", lambda: "stand-in.gguf")
     monkeypatch.setattr(cli, "load_gguf", lambda path: (cli.build_model("tiny", torch.float32), Bytes()))
@@ -121,4 +127,6 @@ def test_the_lora_demo_s_console_without_the_gguf_file(capsys, monkeypatch):
     lines = screen(printed.out) + screen(printed.err)
     assert len(lines) <= 60 and not any("{" in line for line in lines), lines
     assert re.search(r"done: loss [\d.]+ -> [\d.]+ in 2 steps, .*; held-out perplexity [\d.]+ -> [\d.]+", printed.out)
+    assert [line.split(":")[0] for line in printed.out.splitlines() if line.startswith("sample ")] == \
+        ["sample before training", "sample after training"]  # with a tokenizer: a sample before and after
     assert any(BAR.search(line) and "2/2" in line for line in screen(printed.err))

