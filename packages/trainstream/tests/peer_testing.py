@@ -46,10 +46,11 @@ def worker(rank: int, world: int, port: int, out: str, device: str = "cpu", spli
     ``split``: the last rank says it is on another machine (a Slurm-style launch: no LOCAL_WORLD_SIZE)."""
     torch.set_num_threads(1)
     if split and rank == world - 1:
+        from trainstream import _topology
         from trainstream.weights import shared_host
 
-        key = shared_host.machine_key()
-        shared_host.machine_key = lambda: key + "|elsewhere"
+        key = _topology.machine_key()
+        _topology.machine_key = shared_host.machine_key = lambda: key + "|elsewhere"
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=60))
     try:

@@ -5,13 +5,14 @@ from ._budget import Budget, machine_budget
 from ._decide import Plan, check_plan, plan_memory
 from ._disk import DiskRates, disk_rates, measure_disk
 from ._formats import weight_bytes
-from ._local import local_process_count
+from ._local import LOCAL_PROCESS_VARS, local_process_count
 from ._memory import MemoryEstimate, Options, estimate_memory, state_share
 from ._planner import Block, ResidencyPlan, plan_residency, spread_order
 from ._profile import HardwareProfile, measure_host_bandwidth, measure_link, profile_hardware
 from ._shape import LORA_TARGETS, ModelShape
 
 __all__ = [
+    "LOCAL_PROCESS_VARS",
     "LORA_TARGETS",
     "Block",
     "Budget",

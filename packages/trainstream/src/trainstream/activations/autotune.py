@@ -22,8 +22,8 @@ import sys
 import time
 
 import torch
-import ts_planner
 
+from .. import _topology
 from .._units import fmt_bytes, fmt_seconds
 from ..memory.sizing import PlanRefused, vram_budget
 from .tuner import Choice, Measured, choose, trial_candidates
@@ -96,7 +96,7 @@ class Meter:
         if self._host is not None:
             return self._host
         import ts_pinned
-        return ts_pinned.page_lock_budget(processes=ts_planner.local_process_count()).budget
+        return ts_pinned.page_lock_budget(processes=_topology.local_process_count()).budget
 
 
 class CudaMeter(Meter):
@@ -141,7 +141,7 @@ class CudaMeter(Meter):
 
     def host_bytes(self) -> int:
         import ts_pinned
-        budget = ts_pinned.page_lock_budget(processes=ts_planner.local_process_count()).budget
+        budget = ts_pinned.page_lock_budget(processes=_topology.local_process_count()).budget
         stats = ts_pinned.default_arena().stats()
         return max(0, budget - stats["arena_bytes"] + (stats["arena_bytes"] - stats["arena_used"]))
 

@@ -51,6 +51,9 @@ def check_options(plan, device: torch.device) -> None:
     if world_of(opts.distributed) < 2:
         return
     timeout = DEFAULT_TIMEOUT_S if opts.distributed_timeout is None else opts.distributed_timeout
+    from .. import _topology
+
+    _topology.check_launcher()  # the plan split this machine's RAM by the launcher's count: it must be right
     check_same_options(Comm(None, device, timeout), {
         "param_offload (streamed blocks)": list(plan.streamed_blocks), "quantize": plan.quantize,
         "stream_packing": opts.stream_packing, "host_embedding": opts.host_embedding, "peer": opts.peer,

@@ -10,6 +10,7 @@ import torch
 import ts_pinned
 import ts_planner
 
+from .. import _topology
 from .._units import fmt_bytes, fmt_seconds
 from ..engine.slots import ParamSlot
 from .disk_plan import MIN_DISK_VALUES, choose_disk_state
@@ -60,7 +61,7 @@ def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: s
     page-locked for a run on the CPU)."""
     machine = ts_pinned.page_lock_budget()
     # Processes launched together on one machine (torchrun, Slurm) share its RAM: each plans with 1/n.
-    local = ts_planner.local_process_count()
+    local = _topology.local_process_count()
     measured = ts_pinned.page_lock_budget(processes=local) if local > 1 else machine
     budget = measured.budget if limit is None else min(limit, measured.budget)
     needs = {

@@ -26,6 +26,7 @@ import typing
 import torch
 import ts_planner
 
+from .. import _topology
 from .._config import Config
 from .._dropped import collect_dropped
 from .._options import WrapOptions, parse_options
@@ -453,7 +454,7 @@ def _streamed_shared_by(opts, nbytes: int) -> int:
         room = shutil.disk_usage(shared_host.SHM_DIR).free
     except OSError:
         return 1
-    return max(1, min(ts_planner.local_process_count(), world)) if room >= nbytes else 1
+    return max(1, min(_topology.local_process_count(), world)) if room >= nbytes else 1
 
 
 def _activations(opts, count: int):

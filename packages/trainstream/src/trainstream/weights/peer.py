@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import _topology
 from .._schedule import PEER_SETUP_STEP
 from .._units import fmt_bytes
 from ..memory.sizing import vram_budget
-from . import shared_host
 
 __all__ = ["SETUP_STEP", "check_peer_option", "setup_peer"]
 
@@ -43,13 +43,10 @@ def _why_not(streamer, option) -> str | None:
 
 
 def _spans_machines() -> str | None:
-    """Collective: why not, when the ranks are on more than one machine. The machine rule is the shared host
-    copy's (``shared_host.machine_key``: hostname, boot id and /dev/shm), not a guess from LOCAL_WORLD_SIZE,
-    which Slurm-style launches do not set."""
-    dist = torch.distributed
-    keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, shared_host.machine_key())
-    here = sum(k == keys[dist.get_rank()] for k in keys)
+    """Collective: why not, when the ranks are on more than one machine (``_topology``: hostname, boot id and
+    /dev/shm, not a guess from LOCAL_WORLD_SIZE, which Slurm-style launches do not set)."""
+    keys = _topology.machine_keys()
+    here = sum(k == keys[torch.distributed.get_rank()] for k in keys)
     if here == len(keys):
         return None
     return (f"the group spans machines ({len(keys)} ranks, {here} on this one): peer pools over a machine's own "

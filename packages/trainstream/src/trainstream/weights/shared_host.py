@@ -29,16 +29,15 @@ import ctypes
 import hashlib
 import json
 import os
-import socket
 import uuid
 
 import torch
 
+from .._topology import SHM_DIR, machine_key
 from .._units import fmt_bytes
 
 __all__ = ["PREFIX", "SHM_DIR", "SharedRegion", "layout_digest", "machine_key", "share"]
 
-SHM_DIR = "/dev/shm"
 PREFIX = "trainstream-weights-"
 _pending: set[str] = set()  # files this process knows of that are not unlinked yet
 
@@ -54,17 +53,6 @@ def _unlink_pending() -> None:
     for path in list(_pending):
         with contextlib.suppress(OSError):
             _unlink(path)
-
-
-def machine_key() -> str:
-    """Ranks with the same key share one /dev/shm (same host and boot, same tmpfs mount)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    st = os.stat(SHM_DIR)
-    return f"{socket.gethostname()}|{boot}|{st.st_dev}:{st.st_ino}"
 
 
 def layout_digest(items) -> str:
