@@ -305,7 +305,7 @@ def test_trainstream_plan_puts_the_least_state_on_disk_that_fits(tmp_path, monke
     import ts_planner
     from trainstream._plan_cli import PLAN_SIZES, plan_main
 
-    monkeypatch.setattr(ts_planner, "disk_rates", lambda path: ts_planner.DiskRates(1.5, 2.0, True, str(path), 1))
+    monkeypatch.setattr(ts_planner, "disk_rates", lambda path: ts_planner.DiskRates(1.5, 2.0, True, str(path), 1, 4.0))
     args = ["--full", "--size", "7b", "--vram-gb", "24", "--host-gb", "64", "--json"]
     assert plan_main(args) == 3
     refused = json.loads(capsys.readouterr().out)

@@ -4,6 +4,7 @@ bound gains the disk's time."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -15,12 +16,12 @@ from ts_planner import Budget, ModelShape, Options, estimate_memory
 
 SHAPE = ModelShape(3584, 18944, 28, 28, 4, 152064)  # the Qwen2.5-7B shape
 BUDGET = Budget(vram_bytes=24 << 30, host_bytes=64 << 30, pinned_bytes=60 << 30,
-                disk_read_gbps=1.5, disk_write_gbps=2.0)
+                disk_read_gbps=1.5, disk_write_gbps=2.0, disk_mixed_gbps=3.5)
 
 
 def test_the_probe_measures_and_leaves_nothing(tmp_path):
     rates = ts_planner.measure_disk(tmp_path, 8 << 20, repeats=1)
-    assert rates.read_gbps > 0 and rates.write_gbps > 0 and rates.probe_bytes == 8 << 20
+    assert rates.read_gbps > 0 and rates.write_gbps > 0 and rates.mixed_gbps > 0 and rates.probe_bytes == 8 << 20
     assert str(tmp_path) in rates.summary() and os.listdir(tmp_path) == []
 
 
@@ -41,7 +42,7 @@ def test_rates_are_cached_per_filesystem(tmp_path, monkeypatch):
 
     def fake(directory, nbytes=0, repeats=0):
         calls.append(directory)
-        return ts_planner.DiskRates(1.25, 2.5, True, os.fspath(directory), 1 << 20)
+        return ts_planner.DiskRates(1.25, 2.5, True, os.fspath(directory), 1 << 20, 2.0)
 
     monkeypatch.setattr("ts_planner._disk.measure_disk", fake)
     (tmp_path / "a").mkdir()
@@ -66,6 +67,9 @@ def test_the_state_on_disk_leaves_host_ram_and_bounds_the_step(moments):
     assert disk.host_optimizer_params == ram.host_optimizer_params  # host AdamW still updates every value
     plan = ts_planner.check_plan(SHAPE, BUDGET, Options(train="full", moment_dtype=moments, disk_state_share=0.5))
     assert plan.disk_s == pytest.approx(disk.disk_bytes / 1.5e9)  # the slower direction: reads at 1.5 GB/s
+    half_duplex = ts_planner.check_plan(SHAPE, dataclasses.replace(BUDGET, disk_mixed_gbps=2.0),
+                                        Options(train="full", moment_dtype=moments, disk_state_share=0.5))
+    assert half_duplex.disk_s == pytest.approx(2 * disk.disk_bytes / 2.0e9)  # both ways share 2 GB/s
     assert plan.lower_bound_s >= plan.disk_s and plan.to_dict()["lower_bound_s"]["disk"] == plan.disk_s
     assert "disk" in plan.explain()
     assert ts_planner.check_plan(SHAPE, BUDGET, Options(train="full", moment_dtype=moments)).disk_s == 0

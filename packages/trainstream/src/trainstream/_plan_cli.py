@@ -158,7 +158,8 @@ def _plan_with_disk(args, parser, shape, budget, plan):
         rates = ts_planner.disk_rates(args.nvme_path)
     except OSError as error:
         parser.error(f"--nvme-path {args.nvme_path}: {error}")
-    budget = dataclasses.replace(budget, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps)
+    budget = dataclasses.replace(budget, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps,
+                                 disk_mixed_gbps=rates.mixed_gbps)
     o = plan.options
 
     def with_share(share: float):

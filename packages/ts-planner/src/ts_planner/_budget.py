@@ -35,6 +35,7 @@ class Budget:
     source: str = "given"
     disk_read_gbps: float = 7.0
     disk_write_gbps: float = 6.0
+    disk_mixed_gbps: float = 13.0
     network_gbps: float = 50.0
 
     def __post_init__(self) -> None:
@@ -44,7 +45,7 @@ class Budget:
                 raise ValueError(f"Budget.{name}={value!r} must be an integer number of bytes >= 0")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"Budget.headroom={self.headroom!r} must be in [0, 1)")
-        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops", "disk_read_gbps", "disk_write_gbps",
+        for name in ("link_gbps", "host_adamw_params_per_s", "matmul_tflops", "disk_read_gbps", "disk_write_gbps", "disk_mixed_gbps",
                      "network_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Budget.{name}={getattr(self, name)!r} must be > 0")

@@ -42,9 +42,9 @@ _ADVICE = {
 class Plan:
     """A plan and its numbers. ``fits``: every budget holds. ``overflow``: (budget, largest category there,
     bytes over) for each budget that does not. Lower bound of a step (seconds) = max of ``compute_s``,
-    ``link_s``, ``host_optimizer_s``, ``disk_s`` (the state on disk read, and written, at the disk's
-    rates: the longer of the two, so a drive that reads and writes at full rate at once still bounds it
-    from below) and ``network_s`` (what the rank sends to the others, data parallel or FSDP2). ``choices``: what the planner decided, and why."""
+    ``link_s``, ``host_optimizer_s``, ``disk_s`` (the state on disk read, and written: the longest of
+    reading it at the read rate, writing it at the write rate, and moving both at the rate the disk reads
+    and writes at once) and ``network_s`` (what the rank sends to the others, data parallel or FSDP2). ``choices``: what the planner decided, and why."""
 
     fits: bool
     shape: ModelShape
@@ -136,7 +136,8 @@ class Plan:
                      f"{b.matmul_tflops:.0f} TFLOP/s, link {self.link_s:.3f} s at {b.link_gbps:.1f} GB/s, host AdamW "
                      f"{self.host_optimizer_s:.3f} s at {b.host_adamw_params_per_s / 1e9:.2f} G params/s"
                      + (f", disk {self.disk_s:.3f} s for {e.disk_bytes / GiB:.2f} GiB read and written at "
-                        f"{b.disk_read_gbps:.2f} / {b.disk_write_gbps:.2f} GB/s" if e.disk_bytes else "")
+                        f"{b.disk_read_gbps:.2f} / {b.disk_write_gbps:.2f} / {b.disk_mixed_gbps:.2f} GB/s (read / "
+                        f"write / both)" if e.disk_bytes else "")
                      + (f", network {self.network_s:.3f} s for {e.network_bytes / GiB:.2f} GiB sent at "
                         f"{b.network_gbps:.0f} GB/s" if e.network_bytes else "") + ")")
         return "\n".join(lines)
@@ -195,7 +196,8 @@ def check_plan(shape: ModelShape, budget: Budget, options: Options, choices: tup
     compute = e.flops / (budget.matmul_tflops * 1e12)
     link = max(e.h2d_bytes, e.d2h_bytes) / (budget.link_gbps * 1e9)
     host = e.host_optimizer_params / budget.host_adamw_params_per_s
-    disk = max(e.disk_bytes / (budget.disk_read_gbps * 1e9), e.disk_bytes / (budget.disk_write_gbps * 1e9))
+    disk = max(e.disk_bytes / (budget.disk_read_gbps * 1e9), e.disk_bytes / (budget.disk_write_gbps * 1e9),
+               2 * e.disk_bytes / (budget.disk_mixed_gbps * 1e9))
     network = e.network_bytes / (budget.network_gbps * 1e9)
     if over:
         reason = _refusal(over, e, budget, options)

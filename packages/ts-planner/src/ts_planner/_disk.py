@@ -28,18 +28,23 @@ THREADS = 4  # transfers in flight
 
 @dataclasses.dataclass(frozen=True)
 class DiskRates:
-    """Sequential rates of one filesystem in GB/s (1e9 bytes per second); ``direct``: measured with
-    ``O_DIRECT`` (False: buffered, the page cache dropped before the reads, which may flatter them)."""
+    """Sequential rates of one filesystem in GB/s (1e9 bytes per second): reads alone, writes alone, and
+    ``mixed_gbps`` the bytes read plus written per second with both under way at once (as a step reads one
+    bucket's state while it writes another's; many drives, and virtual disks, share one budget between
+    them). ``direct``: measured with ``O_DIRECT`` (False: buffered, the page cache dropped before the reads,
+    which may flatter them)."""
 
     read_gbps: float
     write_gbps: float
     direct: bool
     directory: str
     probe_bytes: int
+    mixed_gbps: float = 0.0
 
     def summary(self) -> str:
         how = "direct I/O" if self.direct else "buffered I/O (no O_DIRECT on this filesystem)"
-        return (f"disk at {self.directory!r}: read {self.read_gbps:.2f} GB/s, write {self.write_gbps:.2f} GB/s "
+        return (f"disk at {self.directory!r}: read {self.read_gbps:.2f} GB/s, write {self.write_gbps:.2f} GB/s, "
+                f"both at once {self.mixed_gbps:.2f} GB/s "
                 f"({how}, {self.probe_bytes >> 20} MiB probe)")
 
 
@@ -66,18 +71,23 @@ def _direct(fd: int) -> bool:
 
 
 def _transfer(fd: int, op: str, nbytes: int, buffers: list[mmap.mmap]) -> float:
-    """Seconds to move ``nbytes`` in CHUNK pieces, THREADS in flight (os.preadv/pwritev release the GIL)."""
+    """Seconds to move ``nbytes`` in CHUNK pieces, THREADS in flight (os.preadv/pwritev release the GIL);
+    ``op`` "mixed": half the threads read the first half while the others write the second."""
     def worker(t: int) -> None:
         view = memoryview(buffers[t])
-        for offset in range(t * CHUNK, nbytes, THREADS * CHUNK):
-            done = os.preadv(fd, [view], offset) if op == "read" else os.pwritev(fd, [view], offset)
+        mine = op if op != "mixed" else ("read" if t % 2 == 0 else "write")
+        start, step = (t * CHUNK, THREADS * CHUNK) if op != "mixed" else (
+            (t // 2) * CHUNK + (0 if mine == "read" else nbytes // 2), THREADS // 2 * CHUNK)
+        end = nbytes if op != "mixed" else (nbytes // 2 if mine == "read" else nbytes)
+        for offset in range(start, end, step):
+            done = os.preadv(fd, [view], offset) if mine == "read" else os.pwritev(fd, [view], offset)
             if done != CHUNK:
                 raise OSError(errno.EIO, f"disk probe: short {op} of {done} of {CHUNK} bytes at offset {offset}")
 
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(worker, range(THREADS)))
-    if op == "write":
+    if op != "read":
         os.fsync(fd)
     return time.perf_counter() - started
 
@@ -106,16 +116,19 @@ def measure_disk(directory: str | os.PathLike, nbytes: int = 256 << 20, repeats:
                                        f"{os.strerror(error.errno or errno.EIO)}") from None
         direct = _direct(fd)
         write = min(_transfer(fd, "write", nbytes, buffers) for _ in range(repeats))
-        read = float("inf")
+        read = mixed = float("inf")
         for _ in range(repeats):
             if not direct:
                 os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # read the disk, not the cache
             read = min(read, _transfer(fd, "read", nbytes, buffers))
+            if not direct:
+                os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+            mixed = min(mixed, _transfer(fd, "mixed", nbytes, buffers))
     finally:
         os.close(fd)
         for b in buffers:
             b.close()
-    return DiskRates(nbytes / read / 1e9, nbytes / write / 1e9, direct, directory, nbytes)
+    return DiskRates(nbytes / read / 1e9, nbytes / write / 1e9, direct, directory, nbytes, nbytes / mixed / 1e9)
 
 
 def disk_rates(directory: str | os.PathLike, force: bool = False) -> DiskRates:
@@ -127,7 +140,8 @@ def disk_rates(directory: str | os.PathLike, force: bool = False) -> DiskRates:
     if path.exists() and not force:
         try:
             cached = DiskRates(**json.loads(path.read_text()))
-            return dataclasses.replace(cached, directory=directory)
+            if cached.mixed_gbps > 0:  # a record from before the mixed probe is measured again
+                return dataclasses.replace(cached, directory=directory)
         except (ValueError, TypeError):
             pass  # a stale or foreign file: measure again
     rates = measure_disk(directory)

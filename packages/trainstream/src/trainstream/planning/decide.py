@@ -268,7 +268,8 @@ def _with_disk_rates(budget, directory: str):
         rates = ts_planner.disk_rates(directory)
     except OSError as error:
         raise ValueError(f"nvme_path={directory!r}: measuring the disk failed: {error}") from None
-    return (dataclasses.replace(budget, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps),
+    return (dataclasses.replace(budget, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps,
+                                disk_mixed_gbps=rates.mixed_gbps),
             rates.summary())
 
 
