@@ -355,12 +355,13 @@ def test_disk_steps_are_bit_exact_with_steps_in_ram(tmp_path_factory, sizes, qua
 @given(sizes=st.lists(st.integers(1, 7000), min_size=2, max_size=6), depth=st.integers(1, 3),
        moments=st.sampled_from([torch.float32, torch.bfloat16]), picks=st.lists(st.integers(0, 63), min_size=3,
                                                                                 max_size=5),
-       ahead=st.sampled_from(["none", "next", "wrong"]), read_between=st.booleans(), seed=st.integers(0, 2**32))
+       ahead=st.sampled_from(["none", "next", "wrong"]), read_between=st.booleans(), wait=st.booleans(),
+       seed=st.integers(0, 2**32))
 def test_steps_of_some_parameters_match_ram_and_leave_the_others(tmp_path_factory, sizes, depth, moments, picks,
-                                                                  ahead, read_between, seed):
+                                                                  ahead, read_between, wait, seed):
     """Buckets arrive one at a time: stepping a subset (whose segments it may share with neighbours) updates
     exactly that subset, as adamw_steps over it would, and leaves every other value bit for bit; reading the
-    next subset ahead (right, wrong, or dropped by a read between) changes no bit."""
+    next subset ahead (right, wrong, or dropped by a read between), or leaving writes in flight, changes no bit."""
     params = _model(sizes, seed % 1000)
     names = list(params)
     ref = _reference(params, moments)
@@ -375,7 +376,8 @@ def test_steps_of_some_parameters_match_ram_and_leave_the_others(tmp_path_factor
             ref_outs = [torch.empty(params[n].numel(), dtype=torch.bfloat16) for n in chosen]
             following = chosen_of[step % len(chosen_of)]
             prefetch = {"none": None, "next": following, "wrong": [n for n in names if n not in following] or None}
-            state.step(grads, step=step, params_out=outs, seed=seed, names=chosen, prefetch=prefetch[ahead], **KW)
+            state.step(grads, step=step, params_out=outs, seed=seed, names=chosen, prefetch=prefetch[ahead],
+                       wait_writes=wait, **KW)
             if read_between:
                 state.read_state(names[0])
             ts_adamw.adamw_steps([ref[0][i] for i in at], [g.reshape(-1) for g in grads], [ref[1][i] for i in at],
@@ -410,6 +412,44 @@ def test_a_segment_a_step_writes_is_never_read_ahead(tmp_path):
                 state.step([g], names=[name], prefetch=[n for n in params if n != name], step=step, **KW)
                 ts_adamw.adamw_steps([ref[0][i]], [g], [ref[1][i]], [ref[2][i]], step=step, keys=[i], **KW)
         assert _state_equals(state, ref)
+
+
+@pytest.mark.parametrize("depth", [3, 5, 8])
+def test_no_segment_is_read_while_its_write_is_in_flight(tmp_path, depth):
+    """Writes left in flight (wait_writes=False) land before their segment is read again, by a step or by a
+    read ahead: checked at every read submitted (the disk might serve an overlapping read first)."""
+    params = _model([3000, 3000, 3000, 3000], 8)  # two parameters per 4096-value segment
+    with ts_adamw.DiskState(params, tmp_path, segment_values=2048, depth=depth) as state:
+        submit, seen = state._submit, []
+
+        def checked(op, segment, staging, fields=(0, 1, 2)):
+            if op == "read":
+                seen.append(segment)
+                assert not any(st.writes and st.written == segment for st in state._sets), segment
+            return submit(op, segment, staging, fields)
+
+        state._submit = checked
+        names = list(params)
+        for step in range(1, 4):
+            for i, name in enumerate(reversed(names)):  # backward order, the next one read ahead
+                ahead = [names[-2 - i]] if i + 1 < len(names) else [names[-1]]
+                state.step([torch.randn(3000)], names=[name], prefetch=ahead, step=step, wait_writes=False, **KW)
+        assert len(seen) > 8
+
+
+def test_a_write_left_in_flight_that_fails_makes_the_state_unusable_at_the_next_call(tmp_path):
+    params = _model([4096, 4096], 7)
+    with ts_adamw.DiskState(params, tmp_path, segment_values=4096) as state:
+        grads = [torch.randn(4096)]
+        state.step(grads, names=["p0"], step=1, wait_writes=False, **KW)
+        state.flush()  # nothing pending fails
+        state._file._fail_next("eio", "write")
+        state.step(grads, names=["p1"], step=1, wait_writes=False, **KW)  # returns: its write is in flight
+        with pytest.raises(ts_adamw.DiskIOError, match="write"):
+            state.flush()
+        assert state.failed is not None
+        with pytest.raises(ts_adamw.DiskIOError, match="unusable"):
+            state.step(grads, names=["p0"], step=2, **KW)
 
 
 def test_bad_names_are_refused_before_any_io(tmp_path):

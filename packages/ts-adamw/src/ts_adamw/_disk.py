@@ -45,6 +45,7 @@ class _Staging:
         self.views = (self.raw[0].view(torch.float32), self.raw[1].view(moment_dtype), self.raw[2].view(moment_dtype))
         self.writes: list[int] = []  # tickets of the last write from this set
         self.stamp = 0  # when it was last written from (sets are reused oldest first)
+        self.written: int | None = None  # the segment of ``writes`` while they are pending
 
 
 def _round_up(value: int, quantum: int) -> int:
@@ -292,7 +293,7 @@ class DiskState:
     def step(self, grads, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
              maximize: bool = False, grad_scale: float = 1.0, params_out=None, seed: int = 0,
              threads: int | None = None, names: list[str] | None = None,
-             prefetch: list[str] | None = None) -> None:
+             prefetch: list[str] | None = None, wait_writes: bool = True) -> None:
         """One AdamW step over the state on disk, as ``adamw_steps`` computes it (same arguments; ``grads`` and
         ``params_out`` map each name to a CPU tensor, or are lists in the order of ``.names``).
 
@@ -302,7 +303,11 @@ class DiskState:
         arrives. ``prefetch``: parameters the next call will step; once this step's own reads are queued, the
         first segments of theirs (as many as leave this step two staging sets, none it writes) start reading,
         so the next step begins with data in hand. A later call that steps other parameters first, or any
-        read_state / write_state, simply drops what was read ahead.
+        read_state / write_state, simply drops what was read ahead. ``wait_writes`` False: return with the
+        last segments' writes still in flight (a trainer's next forward overlaps them); each finishes before
+        anything reads its segment again, and at ``flush()``, read_state, write_state and close. A write that
+        fails after its step returned leaves the file behind ``params_out``: the state is marked unusable and
+        the call that finds it raises.
 
         What a failure leaves: invalid input raises ``ValueError`` before any I/O. A segment is updated only
         from buffers whose reads completed, so no partially read data reaches the file or ``params_out``. An
@@ -332,7 +337,8 @@ class DiskState:
                   for i, s in enumerate(self._sets)]
         _check_disjoint(spans)
         ahead = [] if prefetch is None else self._selected(prefetch)
-        self._run(dict(zip(selected, grads)), None if outs is None else dict(zip(selected, outs)), hyper, ahead)
+        self._run(dict(zip(selected, grads)), None if outs is None else dict(zip(selected, outs)), hyper, ahead,
+                  bool(wait_writes))
         if outs is not None:
             bump_versions(outs)
 
@@ -374,32 +380,54 @@ class DiskState:
         if segment in self._ready:
             return self._ready.pop(segment)
         staging = self._free_set(busy)
-        writes, staging.writes = staging.writes, []
         t = time.perf_counter()
-        error = self._drain(writes)  # the set's last write is on disk before it is refilled
+        self._settle(segment)  # a write of this segment still in flight lands first
+        self._drain_writes(staging)  # the set's last write is on disk before it is refilled
         stats["write_wait_s"] += time.perf_counter() - t
-        if error is not None:
-            raise error
         return staging, self._submit("read", segment, staging)
+
+    def _drain_writes(self, staging: _Staging) -> None:
+        """Waits for the set's pending writes. A failed one means the file lacks what a step computed (and
+        returned in ``params_out``): the state is marked unusable."""
+        writes, staging.writes, staging.written = staging.writes, [], None
+        error = self._drain(writes)
+        if error is not None:
+            self._error = error
+            raise error
+
+    def _settle(self, segment: int | None = None) -> None:
+        """Waits for the pending writes of ``segment`` (None: of every segment)."""
+        for staging in self._sets:
+            if staging.writes and (segment is None or staging.written == segment):
+                self._drain_writes(staging)
+
+    def flush(self) -> None:
+        """Waits for every write still in flight (``step(wait_writes=False)``); DiskIOError when one failed."""
+        self._usable("flush")
+        self._settle()
 
     def _read_ahead(self, ahead: list[int], own: list[int]) -> None:
         """Starts reading the first segments of the parameters ``ahead``, in that order (not ``own``, which
-        this step writes), into sets that hold nothing pending, keeping two sets for the running step."""
+        this step writes), keeping two sets for the running step; a set still writing an older segment is
+        waited for first (its write was queued before this step's)."""
         wanted = [k for i in ahead for k in self._segments_of([i])]  # in the order the next step will want them
         wanted = [k for k in dict.fromkeys(wanted) if k not in own and k not in self._ready]
         for segment in wanted[:max(0, len(self._sets) - 2 - len(self._ready))]:
-            free = [st for st in self._sets if not st.writes and st not in self._in_use
-                    and all(st is not r for r, _ in self._ready.values())]
+            held = {id(st) for st, _ in self._ready.values()} | {id(st) for st in self._in_use}
+            free = [st for st in self._sets if id(st) not in held]
             if not free:
                 return
-            self._ready[segment] = (free[0], self._submit("read", segment, free[0]))
+            staging = min(free, key=lambda st: (bool(st.writes), st.stamp))
+            self._settle(segment)
+            self._drain_writes(staging)
+            self._ready[segment] = (staging, self._submit("read", segment, staging))
 
     def _drop_ready(self) -> None:
         """Forgets every segment read ahead (their reads finish first: the buffers are reused)."""
         ready, self._ready = self._ready, {}
         self._drain([t for _, tickets in ready.values() for t in tickets])
 
-    def _run(self, grads: dict, outs: dict | None, hyper, ahead: list[int]) -> None:
+    def _run(self, grads: dict, outs: dict | None, hyper, ahead: list[int], wait_writes: bool) -> None:
         """Steps the segments of the parameters in ``grads`` (index -> flat gradient): read ahead, update,
         write behind, through the staging sets; then reads ahead the first segments of ``ahead``."""
         order = self._segments_of(grads)
@@ -432,22 +460,19 @@ class DiskState:
                 t = clock()
                 self._update(order[j], staging, grads, outs, hyper)
                 stats["update_s"] += clock() - t
-                staging.writes = self._submit("write", order[j], staging)
+                staging.writes, staging.written = self._submit("write", order[j], staging), order[j]
                 self._stamp += 1
                 staging.stamp = self._stamp
             t = clock()
-            for staging in self._sets:
-                writes, staging.writes = staging.writes, []
-                error = self._drain(writes)
-                if error is not None:
-                    raise error
+            if wait_writes:
+                self._settle()
             stats["write_wait_s"] += clock() - t
             stats["step_s"] = clock() - started
         except BaseException as error:
             pending = [t for _, tickets in reads.values() for t in tickets]
             for staging in self._sets:
                 pending += staging.writes
-                staging.writes = []
+                staging.writes, staging.written = [], None
             self._drain(pending)  # no transfer may outlive the step: the buffers are reused
             if changed:
                 self._error = error
@@ -484,6 +509,7 @@ class DiskState:
         (for a state_dict)."""
         self._usable("read_state")
         self._drop_ready()  # its bounce buffer may hold a segment read ahead
+        self._settle()  # and every write lands first
         if name not in self._index:
             raise KeyError(f"DiskState.read_state: no parameter named {name!r}")
         shape = self._shapes[self._index[name]]
@@ -499,6 +525,7 @@ class DiskState:
         converted to fp32 / the moment dtype. Validated before anything is written."""
         self._usable("write_state")
         self._drop_ready()  # what was read ahead may be what this writes
+        self._settle()
         if name not in self._index:
             raise KeyError(f"DiskState.write_state: no parameter named {name!r}")
         numel = self._shapes[self._index[name]].numel()

@@ -5,7 +5,7 @@ holds them all, each slot under its index, rounding with its index as key, as th
 slot trains bit for bit whichever tier holds its state. Host RAM keeps each slot's gradient landing buffer
 and upload buffer (``ParamSlot.allocate``); an update reads the slot's segments, runs ts-adamw's host
 kernel and writes them back (read ahead, write behind, inside ``DiskState.step``), and reads ahead the first
-segments of the bucket that came next the step before.
+segments of the bucket that came next the step before; its writes may still be in flight when it returns.
 
 Ownership: the engine creates and closes the tier. Only the host worker steps it (updates run one at a
 time on that thread); the main thread reads or writes a slot's state only while the slot is not QUEUED
@@ -55,8 +55,10 @@ class DiskTier:
             self._next[self._last] = names
         self._last = names
         ahead = self._next.get(names)
+        # Writes stay in flight when the step returns: the last buckets' write-back overlaps the next forward;
+        # each lands before its segment is read again (DiskState.step, wait_writes).
         self.state.step([s.grad_host for s in slots], names=list(names), params_out=[s.out_host for s in slots],
-                        prefetch=None if ahead is None else list(ahead), **kwargs)
+                        prefetch=None if ahead is None else list(ahead), wait_writes=False, **kwargs)
         self.updates += 1
         for key, value in self.state.stats.items():
             self.seconds[key] += value
