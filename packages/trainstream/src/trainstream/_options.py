@@ -281,8 +281,9 @@ class WrapOptions:
         " run host AdamW at `step()` and broadcast the new weights; clipping uses the global norm. "
         "`optimizer.state_dict()` is collective and returns the full state on every rank (a checkpoint from N ranks "
         "resumes on M); `trainstream.distributed.save_checkpoint` / `load_checkpoint` write and read it sharded. "
-        "Every rank must wrap the same model (else `ModelMismatch` on every rank). Pass the plain model: one under "
-        "`DistributedDataParallel` or sharded by FSDP is refused at `wrap()`. Tested with 2 and 3 gloo ranks on the "
+        "Every rank must wrap the same model (else `ModelMismatch` on every rank). Pass the plain model, or one "
+        "sharded by FSDP2 (`fully_shard()` first, then `wrap()`: FSDP2 reduces the gradients and this is off); a model"
+        " under `DistributedDataParallel` or FSDP1 is refused at `wrap()`. Tested with 2 and 3 gloo ranks on the "
         "CPU (within 1e-6 of one process on the global batch, with clipping and accumulation) and two gloo ranks "
         "sharing one GPU ([log](results/gpu-tests-h200-2026-12-01-e.log)); NCCL on two GPUs has not run yet. See "
         "[distributed.md](distributed.md)"))

@@ -129,8 +129,8 @@ class ForwardGuard:
                 raise RuntimeError(f"parameter {name!r} was replaced after wrap() (by fully_shard(), or an "
                                    f"assignment): the optimizer would go on training the old one, which the forward "
                                    f"no longer reads. Call trainstream.unwrap(model) before replacing parameters, "
-                                   f"then wrap() again (FSDP does not compose with wrap() yet: use trainstream's own "
-                                   f"data parallel)")
+                                   f"then wrap() again (to shard with FSDP2, call fully_shard() first, then wrap(): "
+                                   f"docs/distributed.md)")
 
     def _note_ddp(self) -> None:
         """Once: the model runs inside DistributedDataParallel (a Trainer's under torchrun / accelerate launch
