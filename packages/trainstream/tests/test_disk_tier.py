@@ -323,3 +323,13 @@ def test_trainstream_plan_puts_the_least_state_on_disk_that_fits(tmp_path, monke
                                pinned_bytes=data["budget"]["pinned_bytes"])
     less = ts_planner.plan_memory(shape, budget, train="full", optimizer="host", disk_state_share=share * 0.97)
     assert not less.fits
+
+
+def test_a_model_too_small_for_the_disk_tier_is_told_so(tmp_path):
+    small = Stack(width=64)  # no parameter reaches MIN_DISK_VALUES
+    in_ram = trainstream.plan(small, moment_dtype="float32").host_state_bytes
+    with pytest.raises(trainstream.PlanRefused, match="nvme_path cannot help: no trained parameter has 65536"):
+        trainstream.plan(small, moment_dtype="float32", nvme_path=tmp_path, host_budget=in_ram // 2)
+    plan = trainstream.plan(small, moment_dtype="float32", nvme_path=tmp_path, host_budget=in_ram // 2,
+                            check_memory=False)
+    assert plan.disk_state == () and "takes no state" in plan.host_message and "live on disk" not in plan.host_message

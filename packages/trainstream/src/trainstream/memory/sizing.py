@@ -84,7 +84,7 @@ def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: s
     kind = "page-lock" if on_gpu else "host RAM"
     named = "host_budget" if limit is not None and limit <= measured.budget else f"{kind} budget"
     if check and needed > budget:
-        if disk is not None:
+        if disk is not None and disk.on_disk:
             raise MemoryError(
                 f"the optimizer state does not fit in host RAM even with {len(disk.on_disk)} of {len(params)} trained "
                 f"parameters' master weights and moments ({fmt_bytes(disk.disk_bytes)}) on disk at {nvme_path!r}: "
@@ -98,14 +98,18 @@ def plan_host_memory(params: list[torch.Tensor], placement: str, moment_dtype: s
             f"the optimizer state needs {fmt_bytes(needed)} of page-locked host RAM ({chosen} moments, "
             f"{placement} placement) but only {fmt_bytes(budget)} can be used{limited} "
             f"({fmt_bytes(measured.mem_available)} available). bfloat16 moments would need "
-            f"{fmt_bytes(needs['bfloat16'])}; otherwise give nvme_path= a directory on a fast local disk for the "
-            f"state that does not fit, train fewer parameters (LoRA), free host RAM, or pass check_memory=False to "
-            f"try anyway."
+            f"{fmt_bytes(needs['bfloat16'])}; otherwise "
+            + ("give nvme_path= a directory on a fast local disk for the state that does not fit, " if disk is None
+               else f"(nvme_path cannot help: no trained parameter has {MIN_DISK_VALUES} values or more) ")
+            + "train fewer parameters (LoRA), free host RAM, or pass check_memory=False to try anyway."
         )
     share = f" (1/{local} of the machine's {fmt_bytes(machine.budget)}: {local} local processes)" if local > 1 else ""
     message = (f"{sum(p.numel() for p in params) / 1e6:.1f} M trained parameters: {chosen} moments ({why}); "
                f"{fmt_bytes(needed)} of host state, {named} {fmt_bytes(budget)}{share}")
-    if disk is None:
+    if disk is not None and not disk.on_disk:
+        message += (f"; nvme_path={nvme_path!r} takes no state: no trained parameter has {MIN_DISK_VALUES} values "
+                    f"or more")
+    if disk is None or not disk.on_disk:
         return HostPlan(getattr(torch, chosen), needed, budget, message)
     message += (f"; the master weights and moments of {len(disk.on_disk)} of {len(params)} trained parameters "
                 f"({fmt_bytes(disk.disk_bytes)}) live on disk at {nvme_path!r}, the last registered first (backward "
