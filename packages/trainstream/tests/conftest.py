@@ -44,8 +44,10 @@ def _cuda_test_starts_from_what_is_live(request):
 @pytest.fixture(autouse=True)
 def _no_saved_tensor_hooks_outlive_a_test():
     """Hygiene, not a check: a saved-tensor hook a test leaves on autograd's stack (an interrupt inside torch's
-    checkpoint, engine_testing.drop_leaked_saved_tensor_hooks) is dropped with a warning, so the next tests
-    are not broken by it (one leak once turned into 195 failures of unrelated tests in one process)."""
+    checkpoint, engine_testing.drop_leaked_saved_tensor_hooks) is dropped with a warning once the test is
+    over, so the next tests are not broken by it (one leak once turned into 195 failures of unrelated tests in
+    one process). Not during a test: trainstream pops its own hooks after an interrupt, and dropping them
+    under it trips torch's assert."""
     yield
     leaked = drop_leaked_saved_tensor_hooks()
     if leaked:

@@ -65,8 +65,8 @@ def same_state(a: dict, b: dict) -> bool:
 def drop_leaked_saved_tensor_hooks() -> int:
     """Pops saved-tensor hooks left on autograd's global stack (how many): an interrupt that lands inside
     torch's own checkpoint or ``saved_tensors_hooks`` context, between its push and its ``try``, leaves its hook
-    installed, and every later forward then saves into it. That is torch's state, not trainstream's: a loop
-    going on after Ctrl-C must drop them, as it must turn gradients back on."""
+    installed, and every later forward then saves into it. That is torch's state, not trainstream's (which
+    pops its own paging hooks itself); the test fixture drops them once a test is over."""
     dropped = 0
     while torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
