@@ -2,12 +2,13 @@
 # not an earlier call on the same warm machine already did (each step is skipped when its result is there).
 #
 #   source tools/gpu_env.sh [COMMIT]    # COMMIT stamps the records (a snapshot has no git of its own)
+#   TS_GPU_JIT="deepspeed" source tools/gpu_env.sh ...   # JIT-build only what the engines run need ("": none)
 #
 # - the cores and trainstream: installed from the carried .whl/gpu/wheels.tar where their sources match,
 #   else built (tools/gpu_run.sh -T);
 # - the carried external engines (tools/bench/fetch_external.sh): bitsandbytes in /tmp/bnb, DeepSpeed and its
 #   dependencies in /tmp/site, the reference 0.4.1 in /tmp/ref-site;
-# - DeepSpeed's CPU Adam and the reference's CUDA extension JIT-built once (tools/gpu_jit.sh).
+# - DeepSpeed's CPU Adam and the reference's CUDA extension JIT-built once (tools/gpu_jit.sh; TS_GPU_JIT picks).
 # Exports GPU_NAME (h100 or h200) for the records' file names.
 export PYTHONUNBUFFERED=1 CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++
 export TS_BENCH_REFERENCE_PREFIX=/tmp/ref-site
@@ -24,5 +25,7 @@ _ts_pip() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cac
 [ -d /tmp/site ] || _ts_pip /tmp/site .whl/bench/*.whl
 [ -d /tmp/ref-site ] || _ts_pip /tmp/ref-site .whl/reference/*.whl
 export PYTHONPATH=/tmp/site:/tmp/bnb
-bash tools/gpu_jit.sh > "$_ts_out/jit.log" 2>&1 || tail -5 "$_ts_out/jit.log"
+if [ -n "${TS_GPU_JIT-deepspeed reference}" ]; then
+  bash tools/gpu_jit.sh ${TS_GPU_JIT-deepspeed reference} > "$_ts_out/jit.log" 2>&1 || tail -5 "$_ts_out/jit.log"
+fi
 unset _ts_out
