@@ -266,3 +266,38 @@ def test_an_update_whose_queueing_failed_is_queued_later_not_waited_for_forever(
     assert all(_same(s, e) for s, e in zip(snapshot(model), expected))
     assert any("queued late" in line for line in trainstream.memory_report(model)["events"])
     trainstream.unwrap(model)
+
+
+def test_an_interrupt_inside_torchs_checkpoint_leaves_no_hook_behind(monkeypatch):
+    """The soak's rare failure made certain: the interrupt lands in torch's checkpoint right after it pushed its
+    saved-tensor hooks, before the ``try`` that pops them. Left there, the next forward saves the embedding's token
+    ids into that dead checkpoint and its backward fails (CheckpointError: different metadata); the recompute
+    wrapper pops what the failed checkpoint pushed, so the run goes on exactly as an uninterrupted one."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    config = {"recompute": True}
+    reference, ref_opt = _fresh(config)
+    _iteration(reference, ref_opt, batches(1, seed=3)[0], config, {})
+    expected = snapshot(reference)
+    trainstream.unwrap(reference)
+
+    model, opt = _fresh(config)
+    real_hook = checkpoint_module._checkpoint_hook
+    fired = {"n": 0}
+
+    class InterruptedAfterPush(real_hook):
+        def __enter__(self):
+            super().__enter__()
+            if fired["n"] == 0:
+                fired["n"] += 1
+                raise KeyboardInterrupt  # what a Ctrl-C between the push and the try amounts to
+
+    monkeypatch.setattr(checkpoint_module, "_checkpoint_hook", InterruptedAfterPush)
+    with pytest.raises(KeyboardInterrupt):
+        _iteration(model, opt, batches(1, seed=3)[0], config, {})
+    assert fired["n"] == 1
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    opt.zero_grad()
+    _iteration(model, opt, batches(1, seed=3)[0], config, {})
+    assert all(_same(s, e) for s, e in zip(snapshot(model), expected))
+    trainstream.unwrap(model)

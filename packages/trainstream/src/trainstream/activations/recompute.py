@@ -19,6 +19,11 @@ Under ``compile_blocks`` a "full" block compiles the forward that checkpoint run
 not the checkpoint: dynamo's checkpoint operator refuses side effects inside it (transformers' decoder
 layers set a global through the ``kernels`` package's forward wrapper), and its fallback ran the whole
 block eagerly. The checkpoint itself stays eager around the compiled forward, which runs again in backward.
+
+An exception that a signal handler raises (Ctrl-C, a time limit) can land inside torch's checkpoint after it
+pushed its saved-tensor hooks and before the ``try`` that pops them: the hooks then stay on autograd's global
+stack, and the next forward saves its tensors (the embedding's token ids) into that dead checkpoint, whose
+backward fails on the mismatch. When the checkpoint raises, the hooks pushed under it are popped here.
 """
 
 from __future__ import annotations
@@ -52,6 +57,22 @@ def _selective_contexts():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_products)
 
 
+def _top_saved_tensor_hooks():
+    """The pack hook on top of autograd's saved-tensor hook stack, or None when it is empty."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if top is None else top[0]
+
+
+def _pop_saved_tensor_hooks_above(below) -> None:
+    """Pops the hooks pushed since `below` was on top (what an interrupted checkpoint left behind). Signals are
+    held back meanwhile: a second Ctrl-C must not stop the cleanup halfway."""
+    from ..engine.interrupts import critical
+
+    with critical():
+        while (top := _top_saved_tensor_hooks()) is not None and top is not below:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
 _plain_forward = plain_forward  # the name models pickled by earlier versions refer to
 
 
@@ -82,8 +103,13 @@ class Recompute:
         if learning:  # once: which buffers does this forward write? (kernels such as batch_norm's may not
             # bump the version counter of what they update, so the values are compared)
             before = {name: b.detach().clone() for name, b in self.block.named_buffers()}
-        out = torch.utils.checkpoint.checkpoint(self._buffers_kept(forward), *args, use_reentrant=False,
-                                                preserve_rng_state=True, **extra, **kwargs)
+        below = _top_saved_tensor_hooks()
+        try:
+            out = torch.utils.checkpoint.checkpoint(self._buffers_kept(forward), *args, use_reentrant=False,
+                                                    preserve_rng_state=True, **extra, **kwargs)
+        except BaseException:
+            _pop_saved_tensor_hooks_above(below)
+            raise
         if learning:
             self.mutated = [name for name, b in self.block.named_buffers()
                             if name not in before or not torch.equal(b, before[name])]
