@@ -42,7 +42,7 @@ MYPY = "mypy==2.4.1"  # exact: a new mypy release adds checks under --strict
 # Checked by the `typecheck` session: the seven packages' top-level modules (their public names) and trainstream's
 # public prototype module. docs/development.md#type-checking says why not more.
 TYPECHECKED = ["ts_pinned", "ts_adamw", "ts_quant", "ts_kvcache", "ts_peer", "ts_planner", "trainstream",
-               "trainstream.prototype"]
+               "trainstream.prototype", "trainstream._config", "ts_quant.reference", "ts_kvcache.reference"]
 # Exact pins: a new theme or handler release must not turn CI red on its own (docs/development.md says why these).
 DOCS_DEPS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11",
              "griffelib==2.4.1"]

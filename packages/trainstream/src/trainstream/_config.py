@@ -22,7 +22,7 @@ __all__ = ["ActivationsConfig", "Config", "OptimizerConfig", "PrototypeConfig", 
            "flat_options", "trainer_options"]
 
 # The one place defaults live: WrapOptions. The groups below read them from there.
-_DEFAULT = {f.name: f.default for f in dataclasses.fields(WrapOptions)}
+_DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(WrapOptions)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Config:
         """Nested by group: what ``from_dict`` reads back."""
         return {group: _fields(getattr(self, group)) for group in _GROUPS}
 
-    def replace(self, **options) -> Config:
+    def replace(self, **options: Any) -> Config:
         """A copy with flat keywords (or whole groups) changed."""
         return Config.from_dict({**self.options(), **flat_options(options)})
 
@@ -138,7 +138,7 @@ class Config:
         return cls(**{group: _GROUPS[group](**fields) for group, fields in grouped.items()})
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> Config:
+    def from_file(cls, path: str | os.PathLike[str]) -> Config:
         """From a JSON file, or a YAML one (``.yaml`` / ``.yml``, with PyYAML installed)."""
         path = os.fspath(path)
         with open(path) as f:
@@ -159,7 +159,7 @@ class Config:
         return cls.from_dict(values)
 
 
-def trainer_options(values) -> dict[str, Any]:
+def trainer_options(values: Config | Mapping[str, Any] | None) -> dict[str, Any]:
     """What a trainer's ``trainstream=`` gives (None, a Config, or a dict of flat keys and groups) as flat
     keys: a Config's changed options; a dict's groups expanded and its other keys (the trainers' own, such
     as ``chunked_loss``) left for the trainer to take."""
@@ -184,7 +184,7 @@ def flat_options(values: Mapping[str, Any]) -> dict[str, Any]:
             fields = _fields(value) if dataclasses.is_dataclass(value) else value
             if not isinstance(fields, Mapping):
                 raise ValueError(f"{key!r} groups options: give it a mapping or a {_GROUPS[key].__name__}")
-            items = [(name, v, key) for name, v in fields.items()]
+            items: list[tuple[str, Any, str | None]] = [(name, v, key) for name, v in fields.items()]
         else:
             items = [(key, value, None)]
         for name, v, group in items:
@@ -198,10 +198,10 @@ def flat_options(values: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _fields(group) -> dict[str, Any]:
+def _fields(group: Any) -> dict[str, Any]:
     # Not dataclasses.asdict: it deep-copies values, and `blocks` holds the model's modules.
     return {f.name: getattr(group, f.name) for f in dataclasses.fields(group)}
 
 
-def _same(a, b) -> bool:
+def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and not isinstance(a, (list, tuple)) and a == b)

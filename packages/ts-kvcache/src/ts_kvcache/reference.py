@@ -15,15 +15,17 @@ class ConcatCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k.clone(), v.clone()
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is None or values is None:
+            keys, values = k.clone(), v.clone()
         else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
-        return self.keys[layer], self.values[layer]
+            keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
 
     def seq_length(self, layer: int = 0) -> int:
-        return 0 if self.keys[layer] is None else self.keys[layer].shape[-2]
+        keys = self.keys[layer]
+        return 0 if keys is None else keys.shape[-2]
 
 
 def copy_pages_reference(

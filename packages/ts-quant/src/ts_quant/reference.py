@@ -9,6 +9,7 @@ kernels are tested against, bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -34,7 +35,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
 
 
-def _amax(blocks: torch.Tensor, dims=-1) -> tuple[torch.Tensor, torch.Tensor]:
+def _amax(blocks: torch.Tensor, dims: int | tuple[int, int] = -1) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(blocks)
     amax = torch.where(finite, blocks.abs(), 0.0).amax(dim=dims)
     return amax, (~finite).any(dim=dims) if isinstance(dims, int) else (~finite).flatten(-2).any(-1)
@@ -58,7 +59,7 @@ def _unpack(data: torch.Tensor, n: int, first_high: bool) -> torch.Tensor:
     return torch.stack([first, second], dim=1).reshape(-1)[:n].long()
 
 
-def _int8(x: torch.Tensor, block: int):
+def _int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     blocks = _blocks(x, block)
     amax, bad = _amax(blocks)
     scale = torch.where(bad, _NAN, amax / 127.0)
@@ -67,7 +68,7 @@ def _int8(x: torch.Tensor, block: int):
     return q.to(torch.int8).view(torch.uint8).reshape(-1)[: x.numel()], scale, None
 
 
-def _nf4(x: torch.Tensor, block: int):
+def _nf4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     n = x.numel()
     blocks = _blocks(x, block)
     amax, bad = _amax(blocks)
@@ -86,7 +87,7 @@ def _nf4(x: torch.Tensor, block: int):
     return _pack(codes.reshape(-1)[:n], True, 7), stored, None
 
 
-def _fp8(x: torch.Tensor, tile: int):
+def _fp8(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     rows, cols = fp8_grid(x.shape)
     grid = x.reshape(rows, cols).float()
     tr, tc = math.ceil(rows / tile), math.ceil(cols / tile)
@@ -106,7 +107,7 @@ def _e2m1(v: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(v).int() << 3)
 
 
-def _nvfp4(x: torch.Tensor, block: int):
+def _nvfp4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     n = x.numel()
     g = (x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax().float() / 2688.0).reshape(1)
     blocks = _blocks(x, block)
@@ -119,7 +120,7 @@ def _nvfp4(x: torch.Tensor, block: int):
     return _pack(codes.reshape(-1)[:n], False, 0), scale_byte.view(torch.float8_e4m3fn), g
 
 
-def quantize_reference(x: torch.Tensor, format: str, block_size: int | None = None):
+def quantize_reference(x: torch.Tensor, format: str, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(data uint8, scales, global_scale or None) of `x` on the CPU, the layout of ts_quant.quantize."""
     format = check_format(format)
     block = check_block(format, block_size)
@@ -127,7 +128,7 @@ def quantize_reference(x: torch.Tensor, format: str, block_size: int | None = No
     return {"int8": _int8, "nf4": _nf4, "fp8": _fp8, "nvfp4": _nvfp4}[format](x, block)
 
 
-def dequantize_reference(format: str, shape, data: torch.Tensor, scales: torch.Tensor,
+def dequantize_reference(format: str, shape: Sequence[int], data: torch.Tensor, scales: torch.Tensor,
                          global_scale: torch.Tensor | None = None, block_size: int | None = None,
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Decodes reference (or kernel) bytes on the CPU: fp32 code * fp32 scale, then rounded to `dtype`."""
@@ -149,6 +150,8 @@ def dequantize_reference(format: str, shape, data: torch.Tensor, scales: torch.T
         codes = _unpack(data, n, False)
         magnitude = E2M1_VALUES[codes & 7]
         signed = torch.where((codes & 8) > 0, -magnitude, magnitude)
+        if global_scale is None:
+            raise ValueError("nvfp4 bytes decode with their global_scale; none was given")
         block_scale = scales.view(torch.float8_e4m3fn).float() * global_scale.cpu()
         values = signed * block_scale[index]
     return values.to(dtype).reshape(shape)
