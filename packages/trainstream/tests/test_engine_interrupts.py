@@ -301,3 +301,36 @@ def test_an_interrupt_inside_torchs_checkpoint_leaves_no_hook_behind(monkeypatch
     _iteration(model, opt, batches(1, seed=3)[0], config, {})
     assert all(_same(s, e) for s, e in zip(snapshot(model), expected))
     trainstream.unwrap(model)
+
+
+def test_a_ctrl_c_as_a_paged_block_pushes_its_hooks_leaves_none_behind(monkeypatch):
+    """A Ctrl-C delivered right after a paged block pushed its hooks: torch skips the always-called forward hook
+    that pops them on a KeyboardInterrupt, so they stay on autograd's stack until the next block is entered, which
+    pops them (the record and the push are made together: a signal between them is held back). Unpopped, they
+    stayed for good (seen in the paged soak's end-of-test check)."""
+    config = {"activation_offload": True}
+    reference, ref_opt = _fresh(config)
+    _iteration(reference, ref_opt, batches(1, seed=3)[0], config, {})
+    expected = snapshot(reference)
+    trainstream.unwrap(reference)
+
+    model, opt = _fresh(config)
+    real_enter = torch.autograd.graph.saved_tensors_hooks.__enter__
+    fired = {"n": 0}
+
+    def enter_then_ctrl_c(self):
+        real_enter(self)
+        if fired["n"] == 0:
+            fired["n"] += 1
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(torch.autograd.graph.saved_tensors_hooks, "__enter__", enter_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        _iteration(model, opt, batches(1, seed=3)[0], config, {})
+    monkeypatch.undo()
+    assert fired["n"] == 1
+    opt.zero_grad()
+    _iteration(model, opt, batches(1, seed=3)[0], config, {})
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    assert all(_same(s, e) for s, e in zip(snapshot(model), expected))
+    trainstream.unwrap(model)

@@ -31,6 +31,7 @@ import ts_pinned
 
 from ..engine.channel import ChannelOwner, channel_for
 from ..engine.hooks import EngineHook
+from ..engine.interrupts import critical
 from ..engine.slots import dense_layout_problem, flat
 
 __all__ = ["ActivationOffloader"]
@@ -126,14 +127,14 @@ class ActivationOffloader(ChannelOwner):
         for hook in self._hooks:
             hook.disable()
         self._handles, self._hooks = [], []
-        while self._active:
-            self._active.pop().__exit__(None, None, None)
+        self._exit_interrupted()
 
     # The block hooks run eagerly under torch.compile: dynamo traced this bookkeeping of weak references
     # in a compiled model and put the pages themselves in the lists (backward then failed on them).
     def _enter(self, index: int):
         @torch.compiler.disable
         def enter(_module, _args):
+            self._exit_interrupted()
             if not torch.is_grad_enabled() or (index not in self.paged and index not in self.counted):
                 self._active.append(None)
                 return
@@ -144,16 +145,28 @@ class ActivationOffloader(ChannelOwner):
                 hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._count(index, t), _identity)
             else:
                 hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), self._unpack)
-            hooks.__enter__()
-            self._active.append(hooks)
+            with critical():  # a Ctrl-C between the push and its record would leave the hooks on autograd's stack
+                hooks.__enter__()
+                self._active.append(hooks)
 
         return enter
+
+    def _exit_interrupted(self) -> None:
+        """Blocks are siblings, so when one is entered no other is active: what `_active` still holds was pushed by
+        a forward that an interrupt stopped inside a block (torch runs always-called forward hooks on an
+        Exception, not on a KeyboardInterrupt), and is popped here before it pages anything else."""
+        if self._active:
+            with critical():
+                while self._active:
+                    hooks = self._active.pop()
+                    if hooks is not None:
+                        hooks.__exit__(None, None, None)
 
     @torch.compiler.disable
     def _leave(self, _module, _args, _output) -> None:
         self._saved = {}
-        if self._active:
-            hooks = self._active.pop()
+        with critical():  # popped from the record and from autograd's stack together, as pushed
+            hooks = self._active.pop() if self._active else None
             if hooks is not None:
                 hooks.__exit__(None, None, None)
 
