@@ -10,7 +10,7 @@ and gradients on the GPU, AdamW with fp32 master weights and fp32 moments, 16 no
 Notation: P = trained parameters (``ModelShape.total_params``), b = 2 bytes (bf16), N = ranks, R = the values
 of the root unit (embedding, final norm and output layer: what ``fully_shard(model)`` on the root holds once
 each block was ``fully_shard``-ed), s = the share of P whose optimizer state trainstream's busiest rank owns
-(``ts_planner.state_share``: whole tensors, so at least the largest one, the embedding).
+(``ts_planner.state_share``: the values split evenly by element, so 1/N to one value).
 
 Network, bytes each rank sends per step. Ring collectives: an all-gather or a reduce-scatter of B bytes sends
 (N-1)/N x B from every rank, a reduce or a broadcast (a pipelined chain) about B. The ZeRO paper (Rajbhandari
@@ -183,8 +183,8 @@ def configurations(world: int = NODES * GPUS_PER_NODE) -> dict[str, dict]:
             "network_in_backward": P * b, "network_after": P * b,
             "pcie_up": owned * b, "pcie_down": owned * b, "pcie_after": True,
             "host_bytes": owned * ts_bytes, "vram_state": 3 * P * b, "adamw_values": owned,
-            "holds": f"whole bf16 model and gradients; the state of whole tensors: the busiest rank owns {share:.2%} "
-                     f"of the values (1/{N} = {1 / N:.2%})"},
+            "holds": f"whole bf16 model and gradients; the state split by element: the busiest rank owns "
+                     f"{share:.2%} of the values (1/{N})"},
         "FSDP2 + trainstream": {
             "moves": "all-gather in forward and backward (root unit once), reduce-scatter",
             "network_in_backward": (fsdp_gathers + P) * b * ring, "network_after": 0.0,
@@ -296,8 +296,9 @@ def render(record: dict) -> str:
         "",
         f"Read from the tables: replicated data parallel holds {_gb(dp['vram_state'])} of model state on every GPU "
         f"({_gb(dp['vram_total'])} with the activations: {'within' if dp['fits_vram'] else 'beyond'} {gpu:g} GB), "
-        f"and its busiest rank updates {dp['adamw_values'] / fsdp['adamw_values']:.1f}x the values of a 1/{n} "
-        f"share (it owns the largest tensor, the embedding or the output layer); FSDP2 + trainstream sends {fsdp['network_bytes'] / dp['network_bytes']:.2f}x the network bytes "
+        f"and its busiest rank updates {dp['adamw_values'] / fsdp['adamw_values']:.2f}x the values of a 1/{n} "
+        f"share (the values are split by element); FSDP2 + trainstream sends "
+        f"{fsdp['network_bytes'] / dp['network_bytes']:.2f}x the network bytes "
         f"of replicated data parallel, ZeRO-3 {zero3['network_bytes'] / dp['network_bytes']:.2f}x.",
     ]
     lines.append(END)

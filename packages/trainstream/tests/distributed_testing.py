@@ -163,6 +163,7 @@ def _train(rank, world, out, *, clip=None, accumulation=1, save=False, resume=No
     result = {"weights": weights(model), "optimizer": report["optimizer"],
               "distributed": trainstream.distributed.report(model._trainstream_session.engine),
               "owned": [s.index for s in model._trainstream_session.engine.active],
+              "spans": {s.index: s.span for s in model._trainstream_session.engine.active},
               "report_distributed": report.get("distributed"),
               "host_state_bytes": model._trainstream_session.host_state_bytes,
               "events": report["events"]}
@@ -396,6 +397,7 @@ SCENARIOS = {
     "resume": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt"),
     "resume_optimizer_only": lambda r, w, o: _train(r, w, o, resume=o / "checkpoint-2ranks.pt", with_model=False),
     "resume_dcp": lambda r, w, o: _train(r, w, o, resume_dcp=o / "dcp-2ranks"),
+    "resume_dcp_alone": lambda r, w, o: _train(r, w, o, resume_dcp=o / "dcp-1process"),
     "rewrap": _rewrap,
     "attention_agree": _attention_agree,
     "unfreeze": _unfreeze,

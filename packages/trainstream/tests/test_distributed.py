@@ -6,6 +6,8 @@ cannot be used are redone at step(), training the same). Each world size is one 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,7 +49,20 @@ def two(out):
 
 @pytest.fixture(scope="module")
 def three(out, two):  # `two` wrote the checkpoint that "resume" loads
-    return run_ranks(3, [*TRAINING, *OVERLAP, "resume", "resume_optimizer_only", "resume_dcp", "rank_dies"], out)
+    _save_in_one_process(out / "dcp-1process")  # the sharded checkpoint "resume_dcp_alone" loads
+    return run_ranks(3, [*TRAINING, *OVERLAP, "resume", "resume_optimizer_only", "resume_dcp", "resume_dcp_alone",
+                         "rank_dies"], out)
+
+
+def _save_in_one_process(folder) -> None:
+    """save_checkpoint() of one process after SAVE_AT steps on the global batches: every field saved whole."""
+    model = make_model()
+    model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
+    try:
+        train_steps(model, optimizer, SAVE_AT, 0, 1)
+        tsd.save_checkpoint(model, optimizer, folder)
+    finally:
+        trainstream.unwrap(model)
 
 
 def _reference(clip=None, accumulation=1) -> dict:
@@ -97,27 +112,35 @@ def _single_process_state_bytes() -> tuple[int, list[int]]:
     model, _ = trainstream.wrap(model, make_optimizer(model), threads=1)
     try:
         report = trainstream.memory_report(model)["optimizer"]["placements"]["host"]
-        per_param = [s.state_bytes() for s in model._trainstream_session.engine.active]
+        numels = [s.numel for s in model._trainstream_session.engine.active]
     finally:
         trainstream.unwrap(model)
-    return report["state_bytes"], per_param
+    return report["state_bytes"], numels
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_each_rank_keeps_only_its_share_of_the_host_state(two, three, world):
+    """The trained values are split evenly (the largest tensor, 512 of 916 values, is split too): each rank keeps
+    1/world of the host state to one value, and every value of every parameter is kept by exactly one rank."""
     runs = two if world == 2 else three
-    total, per_param = _single_process_state_bytes()
-    owned = [_result(runs, "plain", r)["owned"] for r in range(world)]
-    assert sorted(i for o in owned for i in o) == list(range(len(per_param)))  # each parameter on one rank
+    total, numels = _single_process_state_bytes()
+    assert max(numels) > sum(numels) / world  # whole tensors could not balance this model
+    spans = [_result(runs, "plain", r)["spans"] for r in range(world)]
+    for index, numel in enumerate(numels):
+        kept = sorted((0, numel) if span is None else span for rank in spans for i, span in rank.items() if i == index)
+        assert kept[0][0] == 0 and kept[-1][1] == numel, (index, kept)  # every value kept ...
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(kept)), (index, kept)  # ... by exactly one rank
+    assert sum(span is not None for rank in spans for span in rank.values()) >= 2  # some parameter is split
     state = [_result(runs, "plain", r)["optimizer"]["placements"]["host"]["state_bytes"] for r in range(world)]
+    per_value = total / sum(numels)  # the model is fp32: every value's state has the same size
     assert sum(state) == total
     for rank, nbytes in enumerate(state):
-        assert nbytes == sum(per_param[i] for i in owned[rank])
-        assert 0 < nbytes <= total / world + max(per_param), (rank, nbytes, total)
+        assert abs(nbytes - total / world) <= per_value, (rank, nbytes, total)
         assert _result(runs, "plain", rank)["host_state_bytes"] == nbytes  # planned and page-locked: its share
         info = _result(runs, "plain", rank)["distributed"]
         assert (info["world"], info["rank"], info["backend"]) == (world, rank, "gloo")
-        assert info["owned_params"] == len(owned[rank])
+        assert info["owned_params"] == len(spans[rank])
+        assert info["owned_values"] == round(nbytes / per_value)
         assert any("data parallel over" in line for line in _result(runs, "plain", rank)["events"])
 
 
@@ -141,13 +164,16 @@ def test_a_sharded_checkpoint_from_two_ranks_resumes_on_three_and_in_one_process
     metadata = FileSystemReader(str(folder)).read_metadata()
     where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     for rank in range(2):
-        for index in _result(two, "plain", rank)["owned"]:
+        for index, span in _result(two, "plain", rank)["spans"].items():
             for field in ("exp_avg", "exp_avg_sq", "master_param"):
-                assert where[f"optimizer.state.{index}.{field}"] == f"__{rank}_0.distcp"  # its owner's file only
+                key = f"optimizer.state.{index}.{field}" + ("" if span is None else f"@{span[0]}")  # a piece: its values
+                assert where[key] == f"__{rank}_0.distcp"  # its owner's file only
     assert sorted({where[k] for k in where if k.startswith("optimizer.state.")}) == ["__0_0.distcp", "__1_0.distcp"]
     reference = _reference()
     for rank in range(3):
         assert _max_diff(_result(three, "resume_dcp", rank)["weights"], reference) <= TOL
+        # One process's checkpoint (whole fields): each rank reads the values of its pieces out of them.
+        assert _max_diff(_result(three, "resume_dcp_alone", rank)["weights"], reference) <= TOL
     model = make_model(seed=7)
     model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1)
     try:
@@ -169,6 +195,21 @@ def test_a_checkpoint_from_two_ranks_resumes_in_one_process(out, two):
         assert _max_diff(weights(model), _reference()) <= TOL
     finally:
         trainstream.unwrap(model)
+
+
+def test_state_carried_from_another_split_is_refused_at_wrap():
+    """unwrap() under data parallel leaves a split parameter's piece (with its span) in the optimizer; wrapped where
+    this rank keeps other values of it (here: one process, the whole parameter), the piece is refused, not applied."""
+    model = make_model()
+    optimizer = trainstream.OffloadAdamW(model.parameters(), lr=1e-2)
+    weight = model[2].weight
+    piece = torch.zeros(100)
+    optimizer.state[weight] = {"step": torch.tensor(3.0), "exp_avg": piece, "exp_avg_sq": piece.clone(),
+                               "master_param": weight.detach().reshape(-1)[:100].clone(), "span": (0, 100)}
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match=r"carries the state of values \(0, 100\) of parameter 2 .* all of them"):
+        trainstream.wrap(model, optimizer, threads=1)
+    assert not hasattr(model, "_trainstream_session") and torch.equal(weight, before)
 
 
 def test_a_mismatched_model_is_refused_on_every_rank(two):

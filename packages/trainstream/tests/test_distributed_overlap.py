@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainstream.distributed import DataParallel
 from trainstream.distributed.overlap import EagerReductions, launch_order
+from trainstream.distributed.sharding import Piece
 
 
 class _Comm:
@@ -26,15 +27,23 @@ class _Comm:
 
 
 def _plan(sizes, owners, bucket_bytes):
+    """Parameters of `sizes`; `owners[i]`: the owner of parameter i's values, or of its two halves (a pair)."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     slots = [types.SimpleNamespace(param=p, numel=p.numel(), index=i, owned=False) for i, p in enumerate(params)]
-    dp = DataParallel.__new__(DataParallel)  # only what the plan reads: owners, buckets, buffers, comm
-    dp.comm, dp.owners, dp.bucket_bytes = _Comm(), owners, bucket_bytes
+    pieces = []
+    for i, (n, owner) in enumerate(zip(sizes, owners)):
+        if isinstance(owner, tuple) and n > 1:  # split between two ranks at its middle
+            pieces.append([Piece(i, owner[0], 0, n // 2), Piece(i, owner[1], n // 2, n)])
+        else:
+            pieces.append([Piece(i, owner[0] if isinstance(owner, tuple) else owner, 0, n)])
+    dp = DataParallel.__new__(DataParallel)  # only what the plan reads: pieces, buckets, buffers, comm
+    dp.comm, dp.slots, dp.pieces, dp.bucket_bytes = _Comm(), slots, pieces, bucket_bytes
     return dp, slots, EagerReductions(dp, slots, accumulation_steps=2, engine=None)
 
 
+owner_st = st.one_of(st.integers(0, 2), st.tuples(st.integers(0, 2), st.integers(0, 2)).filter(lambda t: t[0] != t[1]))
 model_st = st.integers(1, 12).flatmap(lambda n: st.tuples(
-    st.lists(st.integers(1, 40), min_size=n, max_size=n), st.lists(st.integers(0, 2), min_size=n, max_size=n),
+    st.lists(st.integers(1, 40), min_size=n, max_size=n), st.lists(owner_st, min_size=n, max_size=n),
     st.integers(4, 400), st.lists(st.booleans(), min_size=n, max_size=n)))
 
 
@@ -44,7 +53,7 @@ def test_every_rank_issues_the_whole_launch_order_whatever_its_backward_produced
     sizes, owners, bucket_bytes, used = model
     dp, slots, eager = _plan(sizes, owners, bucket_bytes)
     eager._engine = lambda: types.SimpleNamespace()  # an engine that is not closed
-    assert eager.buckets == dp._buckets(slots)  # the buckets step() builds without overlap
+    assert eager.buckets == dp._buckets(dp.pieces_of(slots))  # the buckets step() builds without overlap
     assert sorted(eager.order) == list(range(len(eager.buckets)))
     weights = [torch.arange(1.0, n + 1) for n in sizes]
     for micro in range(2):  # the window: the second backward makes the gradients final
@@ -53,14 +62,16 @@ def test_every_rank_issues_the_whole_launch_order_whatever_its_backward_produced
             sum(terms).backward()
         if micro == 0:
             assert dp.comm.issued == []  # nothing before the window's last backward
-    complete = [all(used[i] for i in eager.buckets[b].items) for b in eager.order]
+    pieces = eager.pieces
+    complete = [all(used[pieces[i].item] for i in eager.buckets[b].items) for b in eager.order]
     prefix = complete.index(False) if False in complete else len(complete)
     assert eager.in_backward == prefix  # started in order, as soon as every bucket before is final
     eager.finish()
     assert eager.in_backward + eager.at_step == len(eager.order)
     assert [owner for owner, _ in dp.comm.issued] == [eager.buckets[b].owner for b in eager.order]
     for (_, buf), b in zip(dp.comm.issued, eager.order):
-        expected = [2 * weights[i] if used[i] else torch.zeros(sizes[i]) for i in eager.buckets[b].items]
+        expected = [2 * weights[p.item][p.lo:p.hi] if used[p.item] else torch.zeros(p.numel)
+                    for p in (pieces[i] for i in eager.buckets[b].items)]
         assert torch.equal(buf, torch.cat(expected))  # the gradient, zeros where there is none
     assert eager.problems([*slots]) == 0
     if any(used):

@@ -1,13 +1,17 @@
-"""Property tests of data parallel's pure parts: who owns which parameter, how buckets group them,
+"""Property tests of data parallel's pure parts: who owns which values, how buckets group them,
 and how a mismatch between ranks is described."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainstream.distributed import assign_owners, make_buckets
 from trainstream.distributed.checks import first_mismatch
+from trainstream.distributed.sharding import host_shares, split_evenly
 
 sizes_st = st.lists(st.integers(0, 10**9), max_size=60)
 worlds = st.integers(1, 9)
@@ -57,6 +61,42 @@ def test_initial_loads_are_topped_up(sizes, world, start):
     assert max(total) <= max(max(loads), (sum(loads) + sum(sizes)) / world + (max(sizes) if sizes else 0))
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=40), worlds)
+def test_the_values_are_split_evenly_and_each_is_owned_once(numels, world):
+    pieces = split_evenly(numels, world)
+    total = sum(numels)
+    loads = [0] * world
+    for item, (n, mine) in enumerate(zip(numels, pieces)):
+        assert all(p.item == item and p.lo < p.hi for p in mine)
+        if n:  # contiguous, in order, covering the item once
+            assert mine[0].lo == 0 and mine[-1].hi == n and all(a.hi == b.lo for a, b in itertools.pairwise(mine))
+        else:
+            assert mine == []
+        assert len({p.owner for p in mine}) == len(mine)  # a rank keeps one piece of an item at most
+        for p in mine:
+            loads[p.owner] += p.numel
+    assert sum(loads) == total
+    assert max(loads) - min(loads) <= 1 and max(loads) == -(-total // world)  # 1/world, to one value
+    owners = [p.owner for mine in pieces for p in mine]
+    assert owners == sorted(owners)  # rank r's values follow rank r-1's: one range of the items' order
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.integers(1, 5), st.data())
+def test_host_shares_are_the_ranks_pieces_as_views(numels, world, data):
+    params = [torch.randn(n) for n in numels]
+    rank = data.draw(st.integers(0, world - 1))
+    own, largest = host_shares(params, world, rank)
+    mine = [p for pieces in split_evenly(numels, world) for p in pieces if p.owner == rank]
+    assert [t.numel() for t in own] == [p.numel for p in mine]
+    for t, p in zip(own, mine):
+        assert torch.equal(t, params[p.item][p.lo:p.hi])
+        if t.numel() == numels[p.item]:
+            assert t is params[p.item]  # owned whole: the tensor itself
+    assert sum(t.numel() for t in largest) == -(-sum(numels) // world)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="world=0"):
         assign_owners([1], 0)
@@ -66,6 +106,10 @@ def test_bad_arguments_are_refused():
         assign_owners([1, -1], 2)
     with pytest.raises(ValueError, match="bucket_bytes"):
         make_buckets([0], [1], ["f"], 0)
+    with pytest.raises(ValueError, match="world=0"):
+        split_evenly([1], 0)
+    with pytest.raises(ValueError, match="negative"):
+        split_evenly([1, -1], 2)
 
 
 items_st = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5000), st.sampled_from(["f32", "bf16"])),

@@ -4,29 +4,14 @@ writing behind), and a failed step never applies data that was not fully read. S
 from __future__ import annotations
 
 import errno
-import os
 import time
 
 import pytest
 import torch
 import ts_adamw
+from disk_testing import BLOCK, KW, entries
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-KW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-BLOCK = 4096
-MIB = 1 << 20
-
-
-def _random_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    out = ts_adamw.aligned_empty(nbytes)
-    out.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
-    return out
-
-
-def _entries(directory) -> list[str]:
-    return sorted(os.listdir(directory))
-
 
 # ---- DiskState --------------------------------------------------------------------------------------------------
 
@@ -73,7 +58,7 @@ def test_disk_steps_are_bit_exact_with_steps_in_ram(tmp_path_factory, sizes, qua
             if out is not None:
                 assert all(torch.equal(o.reshape(-1), r) for o, r in zip(outs.values(), ref_outs))
         assert _state_equals(state, ref)
-    assert _entries(directory) == []
+    assert entries(directory) == []
 
 
 @settings(max_examples=15, deadline=None)
@@ -284,7 +269,7 @@ def test_bad_construction_raises(tmp_path):
         ts_adamw.DiskState({"i": torch.arange(4)}, tmp_path)
     with pytest.raises(ts_adamw.DiskIOError, match="does not exist"):
         ts_adamw.DiskState(params, tmp_path / "missing")
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 def _failing_step(tmp_path, kind, op, after):
@@ -313,7 +298,7 @@ def test_a_failed_first_read_changes_nothing_and_the_state_stays_usable(tmp_path
     state.step(grads, step=1, params_out={"p0": out}, **KW)  # the step, retried, is the step
     assert torch.equal(out, expect)
     state.close()
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 @pytest.mark.parametrize("kind", ["eio", "short"])
@@ -328,7 +313,7 @@ def test_a_later_failed_read_never_applies_unread_data_and_marks_the_state_unusa
     with pytest.raises(ts_adamw.DiskIOError, match="unusable"):
         state.read_state("p0")
     state.close()
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 def test_a_failed_write_keeps_the_in_memory_result_and_marks_the_state_unusable(tmp_path):
@@ -348,7 +333,7 @@ def test_steps_after_close_raise_and_the_directory_is_empty(tmp_path):
     assert state.direct in (True, False) and state.nbytes > 0
     state.close()
     state.close()
-    assert state.closed and _entries(tmp_path) == []
+    assert state.closed and entries(tmp_path) == []
     with pytest.raises(ValueError, match="closed"):
         state.step([torch.zeros(100)], step=1, **KW)
 

@@ -15,25 +15,11 @@ import time
 import pytest
 import torch
 import ts_adamw
+from disk_testing import BLOCK, MIB, entries, random_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 from ts_adamw import _core
-
-KW = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-BLOCK = 4096
-MIB = 1 << 20
-
-
-def _random_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    out = ts_adamw.aligned_empty(nbytes)
-    out.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
-    return out
-
-
-def _entries(directory) -> list[str]:
-    return sorted(os.listdir(directory))
-
 
 # ---- StateFile ------------------------------------------------------------------------------------------------
 
@@ -46,21 +32,21 @@ def test_random_aligned_ranges_round_trip(tmp_path_factory, ranges, threads, see
     with ts_adamw.StateFile(directory, 1024 * BLOCK + 300 * BLOCK, io_threads=threads) as f:
         expect = torch.zeros(f.size, dtype=torch.uint8)
         for i, (block, count) in enumerate(ranges):  # overlapping ranges: the later write wins, so wait each
-            data = _random_bytes(count * BLOCK, seed + i)
+            data = random_bytes(count * BLOCK, seed + i)
             f.wait(f.write(block * BLOCK, data))
             expect[block * BLOCK:(block + count) * BLOCK] = data
         back = ts_adamw.aligned_empty(f.size)
         f.wait(f.read(0, back))
         assert torch.equal(back, expect)  # untouched blocks read as zeros (reserved, never written)
         assert f.pending == 0
-    assert _entries(directory) == []
+    assert entries(directory) == []
 
 
 def test_many_concurrent_tickets_across_chunks(tmp_path):
     sizes = [BLOCK * (1 + (i * 37) % 700) for i in range(150)]  # 4 KiB to 2.7 MiB: many span several chunks
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     with ts_adamw.StateFile(tmp_path, sum(sizes), io_threads=8) as f:
-        data = [_random_bytes(n, i) for i, n in enumerate(sizes)]
+        data = [random_bytes(n, i) for i, n in enumerate(sizes)]
         tickets = [f.write(o, d) for o, d in zip(offsets, data)]
         assert f.pending == len(sizes)
         for t in reversed(tickets):  # any order
@@ -75,7 +61,7 @@ def test_many_concurrent_tickets_across_chunks(tmp_path):
 
 def test_partial_transfers_are_retried_until_done(tmp_path):
     with ts_adamw.StateFile(tmp_path, 8 * MIB) as f:
-        data = _random_bytes(3 * MIB, 1)
+        data = random_bytes(3 * MIB, 1)
         f._fail_next("partial", "write")
         f.wait(f.write(MIB, data))
         back = ts_adamw.aligned_empty(3 * MIB)
@@ -88,7 +74,7 @@ def test_partial_transfers_are_retried_until_done(tmp_path):
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_injected_faults_raise_at_wait_naming_the_request(tmp_path, kind, op):
     with ts_adamw.StateFile(tmp_path, 4 * MIB) as f:
-        data = _random_bytes(2 * MIB, 2)
+        data = random_bytes(2 * MIB, 2)
         f.wait(f.write(0, data))
         buffer = ts_adamw.aligned_empty(2 * MIB) if op == "read" else data
         f._fail_next(kind, op)
@@ -138,7 +124,7 @@ def test_missing_directory_and_file_path_name_the_directory(tmp_path):
         with pytest.raises(ts_adamw.DiskIOError, match=f"'{a_file}'.*not a directory") as info:
             ts_adamw.StateFile(a_file, MIB, anonymous=anonymous)
         assert info.value.errno == errno.ENOTDIR
-    assert _entries(tmp_path) == ["plain.txt"]
+    assert entries(tmp_path) == ["plain.txt"]
 
 
 def _filesystem(path) -> str:
@@ -159,7 +145,7 @@ def test_a_reservation_larger_than_the_disk_names_directory_and_bytes(tmp_path):
     with pytest.raises(ts_adamw.DiskIOError, match=f"reserve {1 << 60} bytes .* in '{tmp_path}'") as info:
         ts_adamw.StateFile(tmp_path, 1 << 60)
     assert info.value.errno in (errno.ENOSPC, errno.EFBIG)
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -184,7 +170,7 @@ def test_a_full_disk_raises_at_creation_naming_directory_and_bytes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"reserve {64 * MIB} bytes (64.00 MiB) in '{tmp_path}'" in done.stdout
     assert "RLIMIT_FSIZE" in done.stdout
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 @pytest.mark.parametrize("anonymous", [True, False])
@@ -199,22 +185,22 @@ def test_the_file_never_stays_in_its_directory_even_after_sigkill(tmp_path, anon
     """)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == str(anonymous)
-        assert _entries(tmp_path) == []  # alive, holding 16 MiB: no name in the directory
+        assert entries(tmp_path) == []  # alive, holding 16 MiB: no name in the directory
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
     finally:
         child.kill()
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
     f = ts_adamw.StateFile(tmp_path, MIB, anonymous=anonymous)
-    assert f.anonymous == anonymous and _entries(tmp_path) == []
+    assert f.anonymous == anonymous and entries(tmp_path) == []
     f.close()
-    assert f.closed and _entries(tmp_path) == []
+    assert f.closed and entries(tmp_path) == []
 
 
 def test_direct_io_modes_and_the_buffered_fallback(tmp_path):
     with ts_adamw.StateFile(tmp_path, MIB, direct=False) as f:
         assert not f.direct
-        data = _random_bytes(MIB, 3)
+        data = random_bytes(MIB, 3)
         f.wait(f.write(0, data))
         back = ts_adamw.aligned_empty(MIB)
         f.wait(f.read(0, back))
@@ -229,7 +215,7 @@ def test_direct_io_modes_and_the_buffered_fallback(tmp_path):
             ts_adamw.StateFile(tmp_path, MIB, direct=True)
     finally:
         _core._simulate_direct_refused(False)
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 def test_buffers_stay_referenced_until_waited_and_close_waits(tmp_path):
@@ -252,12 +238,12 @@ def test_buffers_stay_referenced_until_waited_and_close_waits(tmp_path):
     g.write(0, ts_adamw.aligned_empty(64 * MIB))
     del g  # never waited, never closed: the destructor waits
     gc.collect()
-    assert _entries(tmp_path) == []
+    assert entries(tmp_path) == []
 
 
 def test_a_forked_child_cannot_use_the_file_and_exits_cleanly(tmp_path):
     f = ts_adamw.StateFile(tmp_path, MIB, io_threads=3)
-    data = _random_bytes(MIB, 5)
+    data = random_bytes(MIB, 5)
     f.wait(f.write(0, data))
     pid = os.fork()
     if pid == 0:  # the child: refused, then closed and collected without joining the parent's threads

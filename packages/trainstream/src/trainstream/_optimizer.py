@@ -331,8 +331,8 @@ def _checked_entry(slot, key, value: dict) -> tuple:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"{where}: {name} must be a floating-point tensor, not {type(t).__name__}"
                              + (f" of {t.dtype}" if isinstance(t, torch.Tensor) else ""))
-        if t.numel() != slot.numel:
-            raise ValueError(f"{where}: {name} has {t.numel()} values, {slot.label} has {slot.numel}")
+        if t.numel() not in (slot.param.numel(), slot.numel):  # whole, or (a split parameter) this rank's piece
+            raise ValueError(f"{where}: {name} has {t.numel()} values, {slot.label} has {slot.param.numel()}")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{where}: {name} holds non-finite values")
         tensors.append(t)

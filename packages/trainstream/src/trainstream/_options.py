@@ -275,8 +275,8 @@ class WrapOptions:
     distributed: bool | None = field(default=None, metadata=_doc(
         "`None`, `True`, `False`",
         "Data parallel on `torch.distributed` (launch with `torchrun` as usual): `None` turns it on when an "
-        "initialized process group has more than one rank. Each rank owns about 1/world of the trained parameters "
-        "(whole tensors, balanced by bytes) and keeps only their fp32 master weights and moments; gradients are "
+        "initialized process group has more than one rank. Each rank owns 1/world of the trained values (split "
+        "evenly by element: a tensor may be split between ranks) and keeps only their fp32 master weights and moments; gradients are "
         "averaged into their owner in buckets (4 MiB on gloo, 25 MiB on NCCL) that start during backward, the owners"
         " run host AdamW at `step()` and broadcast the new weights; clipping uses the global norm. "
         "`optimizer.state_dict()` is collective and returns the full state on every rank (a checkpoint from N ranks "

@@ -127,11 +127,11 @@ class TrainStreamSession:
         slack = 1024 * len(own) * 5
         _reserve_with_progress(self.arena, self.host_state_bytes + slack, options.verbose)
         pinned = self.arena.stats()["pinned"]
+        share = sum(t.numel() for t in own) / max(1, sum(s.numel for s in trained))
         kind = "" if device.type != "cuda" else "page-locked " if pinned else "pageable "  # a GPU's distinction
         self.events.add("memory", f"reserved {fmt_bytes(self.host_state_bytes)} of {kind}host memory for the "
                                   f"optimizer state" + ("" if pinned or device.type != "cuda" else " (no GPU driver)")
-                                  + ("" if own is trained else f" ({len(own)} of {len(trained)} trained parameters "
-                                                               f"are this rank's)"))
+                                  + ("" if self.world < 2 else f" ({share:.1%} of the trained values are this rank's)"))
         if options.threads is not None and not ts_adamw.set_host_threads(options.threads):
             self.events.add("optimizer", f"threads={options.threads} ignored: the host pool already runs "
                                          f"with {ts_adamw.host_threads()} threads")
@@ -549,12 +549,11 @@ class TrainStreamSession:
 
 
 
-def _own_share(trained: list[ParamSlot], world: int) -> list[ParamSlot]:
-    """This rank's trained slots: its share by distributed.sharding.host_shares, the rule the plan used."""
-    if world < 2:
-        return trained
-    own, _ = host_shares([s.numel * s.param.element_size() for s in trained], world, torch.distributed.get_rank())
-    return [trained[i] for i in own]
+def _own_share(trained: list[ParamSlot], world: int) -> list[torch.Tensor]:
+    """This rank's trained tensors (whole, or flat views of its pieces): its share by
+    distributed.sharding.host_shares, the rule the plan used."""
+    own, _ = host_shares([s.param for s in trained], world, torch.distributed.get_rank() if world > 1 else 0)
+    return own
 
 
 def _weights_fit(weights, device: torch.device) -> bool:

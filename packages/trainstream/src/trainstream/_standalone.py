@@ -34,10 +34,11 @@ def moment_dtype_of(value) -> torch.dtype:
 
 
 class _Param:
-    """What load-state validation needs to name a parameter (the engine's slots have the same two)."""
+    """What load-state validation needs to name and size a parameter (the engine's slots have the same)."""
 
     def __init__(self, index: int, param: torch.Tensor):
         self.index = index
+        self.param = param
         self.numel = param.numel()
         self.label = f"parameter {index}"
 

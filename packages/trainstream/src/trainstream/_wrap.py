@@ -195,9 +195,16 @@ def _migrate_state(session: TrainStreamSession, carried: dict) -> None:
     for slot in session.engine.slots:
         state = carried.get(id(slot.param))
         if state and slot.state is not SlotState.DORMANT:
+            span = state.get("span")  # unwrap() under data parallel kept only this rank's piece
+            if span is not None and tuple(span) != slot.span:
+                raise ValueError(f"the optimizer carries the state of values {tuple(span)} of {slot.label} from its last "
+                                 f"wrap(), and this rank now keeps {slot.span or 'all of them'}: wrap() again over the "
+                                 f"same ranks, or carry the state in a checkpoint (optimizer.state_dict() or "
+                                 f"trainstream.distributed.save_checkpoint) and load it after wrap()")
             entries.append((slot, _checked_entry(slot, slot.index, state)))
     for slot, (step, exp_avg, exp_avg_sq, master) in entries:
-        weight = slot.param.detach()
+        whole = master is not None and master.numel() == slot.param.numel()
+        weight = slot.param.detach() if whole else slot.weight_view()
         if master is not None and not torch.equal(master.reshape(weight.shape).to(weight.dtype).cpu(), weight.cpu()):
             master = None  # the weight was changed since: training continues from the weight
         with torch.no_grad():
@@ -219,7 +226,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(optimizer, OffloadAdamW):
             try:
                 for slot in session.engine.active:
-                    optimizer.state[slot.param] = slot.export()
+                    state = optimizer.state[slot.param] = slot.export()
+                    if slot.span is not None:  # data parallel: this rank's piece only (flat), for the next wrap()
+                        state["span"] = slot.span
             finally:
                 session.engine.release_disk()
             optimizer._session = None

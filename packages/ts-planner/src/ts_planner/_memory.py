@@ -187,24 +187,21 @@ def _block_weights(shape: ModelShape, o: Options) -> tuple[int, int, int, int]:
 
 def state_share(shape: ModelShape, options: Options) -> float:
     """The fraction of the trained values whose host optimizer state the busiest of ``state_shared_by`` ranks
-    holds: whole tensors go to owners balanced by size, so an owner holds at least 1/ranks of them and at least
-    the largest tensor (the embedding or the output layer of a full fine-tune; with many ranks, far above
-    the average). Under FSDP2 (``fsdp_shards``) every rank holds 1/N by element."""
+    holds: trainstream's data parallel splits the trained values evenly by element (a tensor larger than a
+    rank's share is split between ranks), so the busiest holds ceil(values / ranks) of them. Under FSDP2
+    (``fsdp_shards``) every rank holds 1/N by element too (its shards)."""
     if options.fsdp_shards > 1:
         return 1.0 / options.fsdp_shards  # FSDP2 shards by element: an even split
     ranks = options.state_shared_by
     if ranks == 1:
         return 1.0
     o, layers = options, shape.num_hidden_layers
-    stored = shape.weight_linears()
     if o.train == "full":
         trained = layers * shape.block_params + shape.embedding_params + shape.head_params
-        largest = max(shape.embedding_params, shape.head_params, *(n * i * j for _, i, j, _, n in stored))
     else:
-        targets = [(i, j, n) for name, i, j, _, n in stored if name in o.lora_targets]
+        targets = [(i, j, n) for name, i, j, _, n in shape.weight_linears() if name in o.lora_targets]
         trained = layers * sum(n * o.lora_rank * (i + j) for i, j, n in targets)
-        largest = max((n * o.lora_rank * max(i, j) for i, j, n in targets), default=0)
-    return 1.0 if trained == 0 else max(1.0 / ranks, largest / trained)
+    return 1.0 if trained == 0 else -(-trained // ranks) / trained
 
 
 def _network_bytes(o: Options, trained: int, trained_dtype: int, weight_bytes_all: int) -> int:

@@ -11,6 +11,8 @@ describes the semantics, the timeouts and what is not built yet.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -18,7 +20,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .checks import ModelMismatch, check_same_model, check_same_options, describe_slots
 from .collectives import Comm, DistributedError
 from .data_parallel import DataParallel
-from .sharding import Bucket, assign_owners, make_buckets
+from .sharding import Bucket, Piece, assign_owners, make_buckets, split_evenly
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "Bucket", "Comm", "DataParallel", "DistributedError",
            "ModelMismatch", "active_world", "assign_owners", "check_options", "check_same_model", "check_same_options",
@@ -90,25 +92,27 @@ def _setup(comm: Comm, slots: list, events, settings: dict | None, bucket_bytes:
     check_same_model(comm, slots, settings)
     trained = [s for s in slots if s.param.requires_grad]
     frozen = [s for s in slots if not s.param.requires_grad]
-    owners = [0] * len(slots)
-    sizes = [s.numel * s.param.element_size() for s in trained]
-    for s, owner in zip(trained, assign_owners(sizes, comm.world)):
-        owners[s.index] = owner
+    pieces: list[list[Piece]] = [[] for _ in slots]
+    for s, mine in zip(trained, split_evenly([s.numel for s in trained], comm.world)):
+        pieces[s.index] = [dataclasses.replace(p, item=s.index) for p in mine] or [Piece(s.index, 0, 0, 0)]
     loads = [0] * comm.world
     for s in trained:
-        loads[owners[s.index]] += s.numel * s.param.element_size()
-    # Frozen parameters get owners too, in case they are unfrozen later.
+        for p in pieces[s.index]:
+            loads[p.owner] += p.numel * s.param.element_size()
+    # Frozen parameters get owners too (whole), in case they are unfrozen later.
     for s, owner in zip(frozen, assign_owners([s.numel * s.param.element_size() for s in frozen], comm.world, loads)):
-        owners[s.index] = owner
+        pieces[s.index] = [Piece(s.index, owner, 0, s.numel)]
     if bucket_bytes is None:
         bucket_bytes = DEFAULT_BUCKET_BYTES[comm.transport]
-    dp = DataParallel(comm, slots, owners, bucket_bytes, events=events)
+    dp = DataParallel(comm, slots, pieces, bucket_bytes, events=events)
     dp.share_weights(list(slots), source=0)  # frozen ones too: they may be unfrozen later
     mine = [s for s in trained if s.owned]
     share = sum(s.numel for s in mine) / max(1, sum(s.numel for s in trained))
+    split = sum(s.span is not None for s in mine)
     events.add("distributed", f"data parallel over {comm.world} ranks ({comm.backend}): rank {comm.rank} owns "
-                              f"{len(mine)} of {len(trained)} trained parameters ({share:.0%} of the values) and "
-                              f"keeps their master weights and moments; the optimizer's weights start as rank 0's; "
+                              f"{share:.1%} of the trained values ({len(mine)} of {len(trained)} trained parameters, "
+                              f"{split} of them in part) and keeps their master weights and moments; the "
+                              f"optimizer's weights start as rank 0's; "
                               f"gradients are averaged into their owner (each bucket's reduction starts during the backward "
                               f"that completes the accumulation window, from the second step on) and the new "
                               f"weights broadcast at step()")

@@ -8,6 +8,10 @@ alike and DCP writes once; ``load_checkpoint`` asks DCP for the slots this rank 
 from N ranks resumes on M (ownership is recomputed at ``wrap()``), in one process too. Both are collective
 when a process group is initialized: every rank calls them with the same path.
 
+A parameter split between ranks (``sharding.split_evenly``) is saved as its owners' pieces: flat fields
+under ``<field>@<first value>`` (``step`` once, the same on every rank). Loading reads, of each parameter
+this rank owns, the saved pieces or whole fields that overlap its values, and nothing else.
+
 Under FSDP2 (``distributed/fsdp.py``) each rank's state is its shards': every field goes to DCP as a DTensor
 laid out as its parameter, so DCP writes each rank's shard and, at another world size, reads the rows each
 rank holds now.
@@ -22,6 +26,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from ..engine.slots import shaped
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -70,6 +76,8 @@ def save_checkpoint(model: torch.nn.Module, optimizer, path: str | os.PathLike) 
             if slot.weight_changed():
                 slot.follow_weight()  # a weight edited since the last update is what training continues from
             entry = slot.export()
+            if slot.span is not None:
+                entry = {k if k == "step" else f"{k}@{slot.span[0]}": v for k, v in entry.items()}
             if session.shards is not None:
                 entry = {k: v if k == "step" else session.shards.as_global(slot.param, v) for k, v in entry.items()}
             state["optimizer"]["state"][str(slot.index)] = entry
@@ -94,23 +102,95 @@ def load_checkpoint(model: torch.nn.Module, optimizer, path: str | os.PathLike) 
     weights = {k: torch.empty_like(v) if shards is not None else torch.empty_like(v, device="cpu")
                for k, v in model.state_dict().items()}
     mine = [i for i in indices if slots[i].owned or session.engine.step_hook is None]
-
-    def target(i: int) -> torch.Tensor:
-        field = torch.empty(slots[i].param.shape, dtype=torch.float32)
-        return field if shards is None else shards.as_global(slots[i].param, field)
-
-    state = {"model": weights, "optimizer": {"param_groups": _groups(optimizer), "state": {
-        str(i): {"step": torch.zeros(()), **{name: target(i) for name in _FIELDS[1:]}} for i in mine}}}
-    for key in (f"{_STATE}.{i}.{name}" for i in mine for name in _FIELDS):
-        if key not in saved:
-            raise ValueError(f"the checkpoint in {path} lacks {key}")
+    if shards is None:
+        state, pieces = _plain_state(saved, weights, _groups(optimizer), {i: slots[i] for i in mine}, path)
+    else:
+        state, pieces = _sharded_state(saved, weights, _groups(optimizer), {i: slots[i] for i in mine}, shards, path)
     with _quiet_alone():
         dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     if shards is not None:  # this rank's rows, read into the DTensors' local tensors
         for entry in state["optimizer"]["state"].values():
             for name in _FIELDS[1:]:
                 entry[name] = entry[name].to_local().cpu()
+    for i, read in pieces.items():  # saved in pieces: this rank's values joined from those read
+        entry = state["optimizer"]["state"][str(i)]
+        entry.update(_joined(slots[i], entry, read))
     # The optimizer checks its share as load_state_dict checks a whole state, before the model changes.
     load = optimizer.shared_loader(state["optimizer"], indices)
     model.load_state_dict(state["model"])
     load()
+
+
+def _sharded_state(saved, weights: dict, groups: list, mine: dict, shards, path: str) -> tuple[dict, dict]:
+    """What DCP reads under FSDP2: each field as a DTensor laid out as its parameter (this rank's rows)."""
+    for key in (f"{_STATE}.{i}.{name}" for i in mine for name in _FIELDS):
+        if key not in saved:
+            raise ValueError(f"the checkpoint in {path} lacks {key}")
+
+    def target(slot) -> torch.Tensor:
+        return shards.as_global(slot.param, torch.empty(slot.param.shape, dtype=torch.float32))
+
+    return {"model": weights, "optimizer": {"param_groups": groups, "state": {
+        str(i): {"step": torch.zeros(()), **{name: target(slot) for name in _FIELDS[1:]}}
+        for i, slot in mine.items()}}}, {}
+
+
+def _saved_pieces(saved, index: int, name: str) -> list[tuple[int, int, str]]:
+    """(lo, hi, field key) of each piece of the saved field; one covering everything when it was saved whole."""
+    prefix = f"{_STATE}.{index}.{name}"
+    if prefix in saved:
+        return [(0, saved[prefix].size.numel(), name)]
+    found = [(int(key.rsplit("@", 1)[1]), key[len(f"{_STATE}.{index}."):]) for key in saved
+             if key.startswith(prefix + "@")]
+    return [(lo, lo + saved[f"{_STATE}.{index}.{field}"].size.numel(), field) for lo, field in sorted(found)]
+
+
+def _plain_state(saved, weights: dict, groups: list, mine: dict, path: str) -> tuple[dict, dict]:
+    """What DCP reads with data parallel or in one process: the fields of each parameter this rank owns that
+    overlap its values (whole fields in the parameter's shape, pieces flat), and per split parameter the
+    pieces read, to join (``_joined``)."""
+    entries: dict = {}
+    pieces: dict = {}
+    for i, slot in mine.items():
+        if f"{_STATE}.{i}.step" not in saved:
+            raise ValueError(f"the checkpoint in {path} lacks {_STATE}.{i}.step")
+        lo, hi = slot.span if slot.span is not None else (0, slot.param.numel())
+        entry = {"step": torch.zeros(())}
+        for name in _FIELDS[1:]:
+            found = _saved_pieces(saved, i, name)
+            if sum(b - a for a, b, _ in found) != slot.param.numel() or not found:
+                raise ValueError(f"the checkpoint in {path} lacks {_STATE}.{i}.{name} (or some of its pieces)")
+            if len(found) == 1 and slot.span is None:  # saved whole, read whole
+                entry[name] = torch.empty(slot.param.shape, dtype=torch.float32)
+                continue
+            for a, b, field in found:
+                if a < hi and b > lo:
+                    shape = saved[f"{_STATE}.{i}.{field}"].size
+                    entry[field] = torch.empty(shape, dtype=torch.float32)
+                    pieces.setdefault(i, []).append((a, b, name, field))
+        entries[str(i)] = entry
+    return {"model": weights, "optimizer": {"param_groups": groups, "state": entries}}, pieces
+
+
+def _joined(slot, entry: dict, read: list) -> dict:
+    """`slot`'s fields (its span's values, or the whole parameter's, flat) from the overlapping pieces that
+    DCP read into `entry`; the pieces' keys are dropped from it."""
+    like = slot.param.detach()
+    lo, hi = slot.span if slot.span is not None else (0, like.numel())
+    joined: dict = {}
+    for a, b, name, field in read:
+        source = entry.pop(field)
+        if field == name:  # saved whole, in the parameter's shape: its values in memory order
+            source = _in_memory_order(source, like)
+        values = joined.setdefault(name, torch.empty(hi - lo, dtype=torch.float32))
+        values[max(a, lo) - lo:min(b, hi) - lo] = source[max(a, lo) - a:min(b, hi) - a]
+    if slot.span is None:  # a whole parameter (one process, or owned whole) takes its shape
+        joined = {name: shaped(values, like).contiguous() for name, values in joined.items()}
+    return joined
+
+
+def _in_memory_order(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape as a flat CPU tensor in ``like``'s memory order."""
+    out = torch.empty(like.numel(), dtype=values.dtype)
+    shaped(out, like).copy_(values.reshape(like.shape))
+    return out

@@ -11,11 +11,16 @@ every rank). At ``step()`` the engine calls, in this order on every rank:
    reductions unusable); then either the started reductions are used, or (a parameter with no
    gradient anywhere, a gradient edited after it was copied) they are dropped and each bucket is
    reduced now, as without overlap. Either way each bucket is summed into its owner and averaged;
-   the owner finds the global gradient in ``param.grad``, every other rank finds none.
+   the owner finds the global gradient in ``param.grad``, every other rank finds none. (A parameter
+   split between ranks: each owner finds its piece's values there, zeros elsewhere; its slot's span takes
+   only its piece: engine/slots.py, invariant 8b.)
 2. the engine's own updates of the slots this rank owns; with ``max_grad_norm`` the norm comes
    from ``global_sum_of_squares`` (every rank's owned sum of squares, all-reduced).
 3. ``after_updates``: every owned update applied, then each bucket's new weights are broadcast
    from its owner.
+
+Ownership is by values (``sharding.split_evenly``): each rank keeps 1/world of the trained values'
+state, the pieces of a split parameter included. Buckets hold pieces of one owner and one dtype.
 
 So the ranks train exactly as one process on the global batch (the same buckets, sums and division
 with or without overlap), and only the owner of a parameter keeps its fp32 master and moments (the
@@ -26,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.slots import flat, grad_in_memory_order, shaped
+from ..engine.slots import SlotState, flat, grad_in_memory_order, shaped
 from .collectives import Comm, DistributedError
 from .overlap import EagerReductions
-from .sharding import Bucket, make_buckets
+from .sharding import Bucket, Piece, make_buckets
 
 __all__ = ["DataParallel"]
 
@@ -38,14 +43,19 @@ class DataParallel:
     """Ownership, buckets and the step's collectives for one wrapped model (see the module docstring).
     ``overlap`` (the same on every rank): False reduces every gradient at step() only."""
 
-    def __init__(self, comm: Comm, slots: list, owners: list[int], bucket_bytes: int, *, overlap: bool = True,
-                 events=None):
+    def __init__(self, comm: Comm, slots: list, pieces: list[list[Piece]], bucket_bytes: int, *,
+                 overlap: bool = True, events=None):
         self.comm = comm
         self.slots = slots
-        self.owners = owners  # by slot position (== slot.index)
+        self.pieces = pieces  # by slot position (== slot.index): who owns which of its values
         self.bucket_bytes = int(bucket_bytes)
-        for slot, owner in zip(slots, owners):
-            slot.owned = owner == comm.rank
+        for slot, mine in zip(slots, pieces):
+            own = [p for p in mine if p.owner == comm.rank]
+            if len(own) > 1:
+                raise AssertionError(f"{slot.label}: rank {comm.rank} owns {len(own)} pieces of it; split_evenly gives one")
+            slot.owned = bool(own)
+            whole = not own or own[0].numel == slot.param.numel()
+            slot.span = None if whole else (own[0].lo, own[0].hi)
         self._updated: list = []
         self.steps = 0
         self.overlap = bool(overlap)
@@ -65,14 +75,19 @@ class DataParallel:
     def world(self) -> int:
         return self.comm.world
 
-    def _buckets(self, slots: list, source: int | None = None) -> list[Bucket]:
-        owners = [self.owners[s.index] if source is None else source for s in slots]
-        return make_buckets(owners,
-                            [s.numel * s.param.element_size() for s in slots],
-                            [s.param.dtype for s in slots], self.bucket_bytes)
+    def pieces_of(self, slots: list, source: int | None = None) -> list[Piece]:
+        """The pieces of `slots`, in their order (each slot whole, owned by rank `source`, if given)."""
+        if source is not None:
+            return [Piece(s.index, source, 0, s.param.numel()) for s in slots]
+        return [piece for s in slots for piece in self.pieces[s.index]]
 
-    def _buffer(self, bucket: Bucket, slots: list) -> torch.Tensor:
-        return torch.empty(sum(slots[i].numel for i in bucket.items), dtype=bucket.dtype, device=self.comm.device)
+    def _buckets(self, pieces: list[Piece]) -> list[Bucket]:
+        params = [self.slots[p.item].param for p in pieces]
+        return make_buckets([p.owner for p in pieces], [p.numel * t.element_size() for p, t in zip(pieces, params)],
+                            [t.dtype for t in params], self.bucket_bytes)
+
+    def _buffer(self, bucket: Bucket, pieces: list[Piece]) -> torch.Tensor:
+        return torch.empty(sum(pieces[i].numel for i in bucket.items), dtype=bucket.dtype, device=self.comm.device)
 
     def _event(self, message: str) -> None:
         if self.events is not None:
@@ -100,6 +115,7 @@ class DataParallel:
         counts = flags.tolist()[:-2]
         problems = counts.pop()
         with_grad = [s for s, f in zip(trained, counts) if f > 0]
+        pieces = self.pieces_of(with_grad)
         self._updated = with_grad
         everywhere = all(f == self.world for f in counts)  # every trained parameter, every rank
         done = None
@@ -118,8 +134,8 @@ class DataParallel:
         else:
             self.last_step = {"overlapped": False, "buckets_in_backward": 0, "buckets_at_step": 0, "dropped": False}
         if done is None:
-            done = self._reduce_now(with_grad)
-        self._distribute(done, with_grad)
+            done = self._reduce_now(with_grad, pieces)
+        self._distribute(done, pieces)
         if self._eager is not None and not self.overlap:
             self._eager.close()  # switched off (on every rank alike)
             self._eager = None
@@ -151,43 +167,53 @@ class DataParallel:
                     f"step() ({why}); they start during backward again after a step where every trained "
                     f"parameter has a gradient on every rank" + (f", in {wait} steps at the earliest" if stale else ""))
 
-    def _reduce_now(self, with_grad: list) -> list[tuple[Bucket, torch.Tensor]]:
-        """Every bucket of `with_grad` copied and reduced at step(): the path without overlap."""
+    def _reduce_now(self, with_grad: list, pieces: list[Piece]) -> list[tuple[Bucket, torch.Tensor]]:
+        """Every bucket of `with_grad`'s pieces copied and reduced at step(): the path without overlap."""
+        grads = {s.index: None if s.param.grad is None else grad_in_memory_order(s.param.grad.detach(), s.param)
+                 for s in with_grad}
         pending = []
-        for bucket in self._buckets(with_grad):
-            buf = self._buffer(bucket, with_grad)
+        for bucket in self._buckets(pieces):
+            buf = self._buffer(bucket, pieces)
             offset = 0
             for i in bucket.items:
-                slot = with_grad[i]
-                part = buf[offset:offset + slot.numel]
-                grad = slot.param.grad
+                piece = pieces[i]
+                part = buf[offset:offset + piece.numel]
+                grad = grads[piece.item]
                 if grad is None:
                     part.zero_()  # no gradient on this rank: its share of the global batch contributes 0
                 else:
-                    part.copy_(grad_in_memory_order(grad.detach(), slot.param))
-                    slot.param.grad = None  # the bucket holds it now
-                offset += slot.numel
+                    part.copy_(grad[piece.lo:piece.hi])
+                offset += piece.numel
             pending.append((bucket, buf, self.comm.reduce_async(buf, bucket.owner)))
+        for slot in with_grad:
+            slot.param.grad = None  # the buckets hold them now
         done = []
         for bucket, buf, work in pending:
             self.comm.wait(work, f"the reduction of gradients to rank {bucket.owner}")
             done.append((bucket, buf))
         return done
 
-    def _distribute(self, done: list[tuple[Bucket, torch.Tensor]], with_grad: list) -> None:
-        """The owner's reduced buckets averaged and seen as its parameters' gradients."""
+    def _distribute(self, done: list[tuple[Bucket, torch.Tensor]], pieces: list[Piece]) -> None:
+        """The owner's reduced buckets averaged and seen as its parameters' gradients: a parameter owned whole
+        gets its gradient, one split between ranks a gradient holding its piece's values (zeros elsewhere)."""
         for bucket, buf in done:
             if bucket.owner != self.rank:
                 continue
             buf.div_(self.world)
             offset = 0
             for i in bucket.items:
-                slot = with_grad[i]
-                part = buf[offset:offset + slot.numel]
-                if part.device != slot.param.device:
-                    part = part.to(slot.param.device)
-                slot.param.grad = shaped(part, slot.param.detach())
-                offset += slot.numel
+                piece = pieces[i]
+                slot = self.slots[piece.item]
+                part = buf[offset:offset + piece.numel]
+                like = slot.param.detach()
+                if part.device != like.device:
+                    part = part.to(like.device)
+                if slot.span is not None:
+                    whole = torch.zeros(like.numel(), dtype=part.dtype, device=like.device)
+                    whole[piece.lo:piece.hi] = part
+                    part = whole
+                slot.param.grad = shaped(part, like)
+                offset += piece.numel
 
     def discard(self) -> None:
         """zero_grad() (the engine's discard()): the window's gradient count starts again. Local, no collective."""
@@ -242,17 +268,19 @@ class DataParallel:
             raise failure
 
     def share_weights(self, slots: list, source: int | None = None) -> None:
-        """Copies each slot's weight from its owner (or from rank `source`) to every rank; every rank
-        passes the same `slots`."""
+        """Copies each slot's values from their owners (or from rank `source`) to every rank; every rank
+        passes the same `slots`. A slot split between ranks then holds the others' pieces too: what it sees
+        of its weight is noted as its own write, not a user's edit (slots.py, invariant 4)."""
+        pieces = self.pieces_of(slots, source)
         pending = []
-        for bucket in self._buckets(slots, source):
-            buf = self._buffer(bucket, slots)
+        for bucket in self._buckets(pieces):
+            buf = self._buffer(bucket, pieces)
             if bucket.owner == self.rank:
                 offset = 0
                 for i in bucket.items:
-                    s = slots[i]
-                    buf[offset:offset + s.numel].copy_(flat(s.param.detach()))
-                    offset += s.numel
+                    piece = pieces[i]
+                    buf[offset:offset + piece.numel].copy_(flat(self.slots[piece.item].param.detach())[piece.lo:piece.hi])
+                    offset += piece.numel
             pending.append((bucket, buf, self.comm.broadcast_async(buf, bucket.owner)))
         with torch.no_grad():
             for bucket, buf, work in pending:
@@ -261,18 +289,39 @@ class DataParallel:
                     continue
                 offset = 0
                 for i in bucket.items:
-                    s = slots[i]
-                    flat(s.param.data).copy_(buf[offset:offset + s.numel])
-                    offset += s.numel
+                    piece = pieces[i]
+                    flat(self.slots[piece.item].param.data)[piece.lo:piece.hi].copy_(buf[offset:offset + piece.numel])
+                    offset += piece.numel
+        for slot in slots:
+            if slot.span is not None and slot.state is not SlotState.DORMANT:
+                slot.note_weight()
 
     # ---- checkpoints ------------------------------------------------------------------------
 
     def gather_state(self, local: dict) -> dict:
-        """The full optimizer state (every rank's owned entries, by parameter index) on every rank."""
-        merged: dict = {}
-        for part in self.comm.all_gather_objects(local, "gathering the optimizer state for state_dict()"):
-            merged.update(part)
-        return dict(sorted(merged.items()))
+        """The full optimizer state (every rank's owned entries, by parameter index, the pieces of a split
+        parameter joined) on every rank."""
+        mine = {index: (self.slots[index].span, entry) for index, entry in local.items()}
+        parts: dict = {}
+        for rank_parts in self.comm.all_gather_objects(mine, "gathering the optimizer state for state_dict()"):
+            for index, part in rank_parts.items():
+                parts.setdefault(index, []).append(part)
+        return {index: self._joined(index, parts[index]) for index in sorted(parts)}
+
+    def _joined(self, index: int, parts: list) -> dict:
+        """One parameter's state entry from its owners' (span, entry) parts."""
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]
+        like = self.slots[index].param.detach()
+        joined = dict(parts[0][1])
+        for field, value in parts[0][1].items():
+            if field == "step":
+                continue
+            whole = torch.empty(like.numel(), dtype=value.dtype)
+            for (lo, hi), entry in parts:
+                whole[lo:hi] = entry[field]
+            joined[field] = shaped(whole, like).contiguous()
+        return joined
 
     def report(self) -> dict:
         """What memory_report(model)["distributed"] shows: world, rank, ownership and traffic (bytes)."""

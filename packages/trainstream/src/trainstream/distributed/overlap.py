@@ -2,7 +2,7 @@
 
 While *armed*, a post-accumulate-grad hook on every trained parameter counts its gradients; at the
 ``accumulation_steps``-th one the gradient is final. The *plan* is the buckets of the trained
-parameters exactly as step() would build them (``make_buckets`` in parameter order, so the same
+parameters' pieces exactly as step() would build them (``make_buckets`` in parameter order, so the same
 contents, sums and division as without overlap), launched in a fixed order: by their first
 parameter, last first (gradients arrive roughly last layer first). Bucket k is copied into its flat
 buffer and its ``reduce`` to the owner started as soon as it and every bucket before it in that
@@ -55,13 +55,16 @@ class EagerReductions:
         self.slots = plan_slots
         self.accumulation = max(1, int(accumulation_steps))
         self._engine = weakref.ref(engine) if engine is not None else (lambda: None)
-        self.buckets = dp._buckets(plan_slots)
+        self.pieces = dp.pieces_of(plan_slots)
+        self.buckets = dp._buckets(self.pieces)
         self.order = launch_order(self.buckets)
         self.position = {id(s.param): i for i, s in enumerate(plan_slots)}
-        self.bucket_of = [0] * len(plan_slots)
+        slot_at = {s.index: i for i, s in enumerate(plan_slots)}
+        self.piece_slot = [slot_at[p.item] for p in self.pieces]  # each piece's position in plan_slots
+        self.buckets_of: list[list[int]] = [[] for _ in plan_slots]  # the buckets holding a slot's pieces
         for b, bucket in enumerate(self.buckets):
             for i in bucket.items:
-                self.bucket_of[i] = b
+                self.buckets_of[self.piece_slot[i]].append(b)
         self._lock = threading.Lock()  # hooks of several device threads
         self._hook = EngineHook(self._on_grad, weak=True)
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook) for s in plan_slots]
@@ -75,7 +78,7 @@ class EagerReductions:
         self.missing = [len(b.items) for b in self.buckets]
         self.launched = 0  # how many buckets of self.order are started
         self.pending: list[tuple[Bucket, torch.Tensor, object]] = []
-        self.copied: list = [None] * len(self.slots)  # (grad or None, its version) as copied
+        self.copied: list = [None] * len(self.pieces)  # (grad or None, its version) as each piece was copied
         self.in_backward = self.at_step = 0
 
     def restart_window(self) -> None:
@@ -102,7 +105,8 @@ class EagerReductions:
             self.arrivals[i] += 1
             if self.arrivals[i] != self.accumulation:
                 return  # not final yet, or a pass beyond the window (problems() sees the change)
-            self.missing[self.bucket_of[i]] -= 1
+            for b in self.buckets_of[i]:
+                self.missing[b] -= 1
             while self.launched < len(self.order) and self.missing[self.order[self.launched]] == 0:
                 self._launch_next()
                 self.in_backward += 1
@@ -110,20 +114,21 @@ class EagerReductions:
     def _launch_next(self) -> None:
         b = self.order[self.launched]
         bucket = self.buckets[b]
-        buf = self.dp._buffer(bucket, self.slots)
+        buf = self.dp._buffer(bucket, self.pieces)
         offset = 0
         with torch.no_grad():
             for i in bucket.items:
-                slot = self.slots[i]
-                part = buf[offset:offset + slot.numel]
+                piece = self.pieces[i]
+                slot = self.slots[self.piece_slot[i]]
+                part = buf[offset:offset + piece.numel]
                 grad = slot.param.grad
                 if grad is None:
                     part.zero_()  # no gradient on this rank: its share of the global batch contributes 0
                     self.copied[i] = (None, 0)
                 else:
-                    part.copy_(grad_in_memory_order(grad.detach(), slot.param))
+                    part.copy_(grad_in_memory_order(grad.detach(), slot.param)[piece.lo:piece.hi])
                     self.copied[i] = (grad, grad._version)
-                offset += slot.numel
+                offset += piece.numel
         self.pending.append((bucket, buf, self.dp.comm.reduce_async(buf, bucket.owner)))
         self.launched += 1
 
@@ -140,11 +145,12 @@ class EagerReductions:
         """What makes this rank's reductions unusable: 1 when the trained parameters are not the
         plan's, plus one per copied gradient changed or replaced since it was copied."""
         count = int(len(trained) != len(self.slots) or any(a is not b for a, b in zip(trained, self.slots)))
-        for slot, copied in zip(self.slots, self.copied):
-            grad = slot.param.grad
+        changed = set()  # slot positions (a split parameter's pieces count once)
+        for position, copied in zip(self.piece_slot, self.copied):
+            grad = self.slots[position].param.grad
             if copied is None or copied[0] is not grad or (grad is not None and grad._version != copied[1]):
-                count += 1
-        return count
+                changed.add(position)
+        return count + len(changed)
 
     def wait(self) -> list[tuple[Bucket, torch.Tensor]]:
         """Every reduction of the plan completed, in launch order (bounded waits)."""

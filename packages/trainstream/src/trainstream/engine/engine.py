@@ -31,7 +31,7 @@ from . import interrupts
 from .buckets import GradBuckets
 from .channel import ChannelOwner, UploadMarks, channel_for
 from .hooks import EngineHook
-from .slots import ParamSlot, SlotState, grad_in_memory_order
+from .slots import ParamSlot, SlotState
 from .updates import (
     DeviceBatch,
     HostUpdater,
@@ -217,7 +217,7 @@ class UpdateEngine(ChannelOwner):
         immediate = self.max_grad_norm is None
         hyper = self.window.of([slot])[id(slot.group)] if immediate else None
         self._follow_user_edit(slot)
-        src = grad_in_memory_order(grad.detach(), slot.param) if immediate else None
+        src = slot.grad_view(grad) if immediate else None
         if immediate:
             after = self.channel.mark_compute()  # after the layout copy above, which the update reads
             slot.written = self._device_done = launch_device_update(slot, src, hyper, self.channel, after)
@@ -245,7 +245,7 @@ class UpdateEngine(ChannelOwner):
         hypers = self.window.of(slots) if immediate else None
         for s in slots:
             self._follow_user_edit(s)
-        sources = [grad_in_memory_order(s.param.grad.detach(), s.param) for s in slots]
+        sources = [s.grad_view(s.param.grad) for s in slots]
         after = self.channel.mark_compute()  # after any layout copy above, which the D2H copies read
         token = self.channel.to_host_many(sources, [s.grad_host for s in slots], after)
         self.d2h_launches += 1
@@ -433,7 +433,7 @@ class UpdateEngine(ChannelOwner):
             if g.layout is not torch.strided:
                 raise ValueError(f"{s.label} has a {g.layout} gradient; trainstream trains dense gradients only "
                                  f"(use sparse=False in the embedding)")
-            out.append(g if batch.contiguous and g.is_contiguous() else grad_in_memory_order(g.detach(), p))
+            out.append(g if batch.contiguous and g.is_contiguous() and s.span is None else s.grad_view(g))
         return out
 
     def _release_grads(self, ordered: bool = False) -> None:

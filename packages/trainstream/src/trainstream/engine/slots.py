@@ -42,6 +42,10 @@ Invariants (checked by tests/test_engine_state_machine.py):
      critical section that queues it. Should an exception still separate the two (a failed submit), the
      engine queues the update at the slot's next wait, at step() or at synchronize() (``_requeue_orphans``),
      so nothing waits for an update that does not exist.
+  8b. A slot with a *span* (``span``: (lo, hi), set once, at wrap(), by data parallel: distributed/sharding.py)
+     keeps the state of values [lo, hi) of its parameter's memory order only: its buffers hold hi - lo values
+     (``numel``), it takes that part of a gradient (``grad_view``) and writes that part of the weight
+     (``weight_view``); the other ranks own the rest. ``span`` None: the whole parameter.
   9. A hooked slot takes one complete gradient (after ``accumulation_steps`` backward passes) per step()
      (``taken``: set when the gradient leaves ``param.grad``, cleared by step() and zero_grad()): its update
      starts before step(), so a further backward pass could not be summed with it as torch would; its
@@ -152,6 +156,7 @@ class ParamSlot:
     owned: bool = True  # data parallel: this rank keeps the state and runs the update (set once, at wrap())
     streamed_block: int | None = None  # invariant 7: the streamed block holding the weight (set once, at wrap())
     disk: object = None  # invariant 7b: the DiskTier holding master and moments (set once, at wrap())
+    span: tuple[int, int] | None = None  # invariant 8b: the values this rank keeps (set once, at wrap())
 
     # Counts allocate() and load() calls of every slot (new buffers, or a step set from outside): the
     # engine's cached launch arguments are rebuilt when it moved. A class attribute, not a field.
@@ -159,7 +164,19 @@ class ParamSlot:
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        """Values of state this slot keeps: the parameter's, or its span's (invariant 8b)."""
+        return self.param.numel() if self.span is None else self.span[1] - self.span[0]
+
+    def weight_view(self) -> torch.Tensor:
+        """The slot's values of the weight (flat, memory order): where its updates are written."""
+        return self._part(flat(self.param.data))
+
+    def grad_view(self, grad: torch.Tensor) -> torch.Tensor:
+        """The slot's values of a gradient of the parameter's shape (flat, the parameter's memory order)."""
+        return self._part(grad_in_memory_order(grad.detach(), self.param))
+
+    def _part(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.span is None else values[self.span[0]:self.span[1]]
 
     @property
     def streamed(self) -> bool:
@@ -194,7 +211,7 @@ class ParamSlot:
         if self.disk is not None:
             self.disk.write(self, master=flat(self.param.detach()))
         else:
-            self.master.copy_(flat(self.param.detach()))
+            self.master.copy_(self._part(flat(self.param.detach())))
         self.note_weight()
 
     # ---- buffers ----------------------------------------------------------------
@@ -216,7 +233,9 @@ class ParamSlot:
         A streamed slot passes `host_copy`, the streamer's flat host copy of the weight (invariant 7)."""
         if self.streamed != (host_copy is not None) or (self.streamed and placement != "host"):
             raise AssertionError(f"{self.label}: a streamed weight's state is on the host, made from its host copy")
-        p = flat(self.param.detach()) if host_copy is None else host_copy
+        p = self._part(flat(self.param.detach())) if host_copy is None else host_copy
+        if self.span is not None and (self.streamed or self.disk is not None):
+            raise AssertionError(f"{self.label}: a streamed weight or a state on disk is kept whole (invariant 8b)")
         n = p.numel()
         if self.disk is not None:
             if placement != "host":
@@ -267,6 +286,8 @@ class ParamSlot:
         like = self.param.detach()
 
         def out(buffer):
+            if self.span is not None:  # its values only, flat: the ranks' pieces are joined by data parallel
+                return buffer.detach().to("cpu", copy=True)
             return shaped(buffer.detach(), like).to("cpu", copy=True).contiguous()
 
         master, exp_avg, exp_avg_sq = ((self.master, self.exp_avg, self.exp_avg_sq) if self.disk is None
@@ -280,6 +301,10 @@ class ParamSlot:
         like = self.param.detach()
         if self.disk is not None:
             self._load_on_disk(like, exp_avg, exp_avg_sq, master)
+        elif self.span is not None:  # each tensor the parameter's whole state, or already this span's values
+            self.exp_avg.copy_(self._values_of(exp_avg, like))
+            self.exp_avg_sq.copy_(self._values_of(exp_avg_sq, like))
+            self.master.copy_(self._values_of(like if master is None else master, like))
         else:
             shaped(self.exp_avg, like).copy_(exp_avg.reshape(like.shape))
             shaped(self.exp_avg_sq, like).copy_(exp_avg_sq.reshape(like.shape))
@@ -291,9 +316,16 @@ class ParamSlot:
         if self.disk is None or master is not None:
             # A streamed weight is written to its host copy; the caller drops a resident device copy.
             new = self.master if self.disk is None else _memory_order(master, like, torch.float32)
-            (self.out_host if self.streamed else flat(self.param.data)).copy_(new)
+            (self.out_host if self.streamed else self.weight_view()).copy_(new)
         self.note_weight()
         ParamSlot.buffer_changes += 1
+
+    def _values_of(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The span's values (flat) of a whole state tensor of ``like``'s shape, or ``values`` when it holds
+        exactly the span's already."""
+        if values.numel() == self.numel and values.numel() != like.numel():
+            return values.reshape(-1)
+        return self._part(_memory_order(values, like, values.dtype))
 
     def _load_on_disk(self, like: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       master: torch.Tensor | None) -> None:

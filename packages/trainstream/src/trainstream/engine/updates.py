@@ -21,7 +21,7 @@ import torch
 import ts_adamw
 
 from .channel import UploadMarks
-from .slots import ParamSlot, SlotState, flat
+from .slots import ParamSlot, SlotState
 
 __all__ = ["DeviceBatch", "HostUpdater", "Hyper", "device_batches", "group_hypers", "hyper_of", "launch_batches",
            "launch_device_update", "launch_device_updates"]
@@ -119,7 +119,7 @@ class DeviceBatch:
         self.masters = [s.master for s in slots]
         self.exp_avgs = [s.exp_avg for s in slots]
         self.exp_avg_sqs = [s.exp_avg_sq for s in slots]
-        self.outs = [flat(s.param.data) for s in slots]
+        self.outs = [s.weight_view() for s in slots]
         self.keys = [s.index & 0xFFFFFFFF for s in slots]
         self.ptrs = [p.data_ptr() for p in self.params]
         self.contiguous = all(p.is_contiguous() for p in self.params)
@@ -187,7 +187,7 @@ def launch_device_updates(batch: list[tuple[ParamSlot, torch.Tensor, Hyper]], ch
         for key, items in groups.items():
             ts_adamw.cuda_adamw_step([s.master for s, _ in items], [g for _, g in items],
                                      [s.exp_avg for s, _ in items], [s.exp_avg_sq for s, _ in items],
-                                     params_out=[flat(s.param.data) for s, _ in items], stream=stream.cuda_stream,
+                                     params_out=[s.weight_view() for s, _ in items], stream=stream.cuda_stream,
                                      keys=[s.index & 0xFFFFFFFF for s, _ in items], **dict(key))
             for _, grad in items:
                 grad.record_stream(stream)
@@ -410,7 +410,7 @@ class HostUpdater:
         upload_error = None
         if uploads:
             try:
-                event = self._channel.upload_many([s.out_host for s in uploads], [flat(s.param.data) for s in uploads],
+                event = self._channel.upload_many([s.out_host for s in uploads], [s.weight_view() for s in uploads],
                                                   self._marks)
                 for s in uploads:
                     s.upload_event = event

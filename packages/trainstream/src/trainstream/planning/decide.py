@@ -240,10 +240,7 @@ def _moment_plan(model, optimizer, opts, device: torch.device) -> _HostState:
     world = tsd.world_of(opts.distributed)
     if opts.nvme_path is not None:
         _check_disk_tier(opts, placement, world)
-    own, largest = (
-        [params[i] for i in share]
-        for share in host_shares([p.numel() * p.element_size() for p in params], world,
-                                 torch.distributed.get_rank() if world > 1 else 0))
+    own, largest = host_shares(params, world, torch.distributed.get_rank() if world > 1 else 0)
     try:
         host = plan_host_memory(largest, placement, opts.moment_dtype, opts.check_memory,
                                 on_gpu=device.type == "cuda", limit=opts.host_budget, nvme_path=opts.nvme_path)
