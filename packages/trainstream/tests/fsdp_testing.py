@@ -114,6 +114,36 @@ def refusals(rank: int, world: int) -> dict:
     return out
 
 
+def planned(rank: int, world: int) -> dict:
+    """What the wrap() plan prices for a model before and after fully_shard(), on a GPU budget: the facts it reads,
+    the generic plan (no decoder config: this file's model) and ts-planner's (a tiny Llama, 8 blocks)."""
+    import ts_planner
+    from torch.distributed.fsdp import fully_shard
+    from trainstream.memory.sizing import describe_model, plan_wrap
+    from ts_testing import tiny_llama
+
+    gib = 1 << 30
+    budget = ts_planner.Budget(vram_bytes=80 * gib, host_bytes=200 * gib, pinned_bytes=100 * gib, device_bytes=80 * gib)
+    out: dict = {}
+    model = make_model()
+    for key in ("whole", "sharded"):
+        if key == "sharded":
+            shard(model, mixed=False)
+        facts = describe_model(model, list(model)[:BLOCKS])
+        out[f"generic_{key}"] = {"facts": facts, **plan_wrap(facts, budget, quantize=None).generic}
+    llama = tiny_llama(layers=8)
+    for key in ("whole", "sharded"):
+        if key == "sharded":
+            for layer in llama.model.layers:
+                fully_shard(layer)
+            fully_shard(llama)
+        facts = describe_model(llama, list(llama.model.layers))
+        estimate = plan_wrap(facts, budget, quantize=None).plan.estimate
+        out[f"llama_{key}"] = {"facts": facts, "vram": dict(estimate.vram), "host": dict(estimate.host),
+                               "network_bytes": estimate.network_bytes}
+    return out
+
+
 def checkpoint(rank: int, world: int, out: pathlib.Path, *, save: bool) -> dict:
     """save: 2 steps, a sharded checkpoint, 2 more (the uninterrupted weights); else: load that checkpoint
     (written at any world size) into a fresh model and run the same 2 more steps."""
@@ -147,6 +177,7 @@ CASES = {
     "mixed": lambda r, w: compare(r, w, mixed=True, clip=0.5),
     "refusals": refusals,
     "overlap": overlap,
+    "planned": planned,
     "save": lambda r, w, o: checkpoint(r, w, o, save=True),
     "resume": lambda r, w, o: checkpoint(r, w, o, save=False),
 }

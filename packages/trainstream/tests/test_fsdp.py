@@ -57,6 +57,25 @@ def test_fsdp2_mixed_precision_overlap_and_what_does_not_compose(tmp_path):
     assert refused["distributed"].startswith("distributed cannot be used on a model sharded by FSDP2")
 
 
+def test_the_wrap_plan_prices_this_rank_s_shards_of_a_sharded_model(tmp_path):
+    """wrap()'s plan reads an FSDP2 model as sharded over the ranks: its VRAM is this rank's shards (and, with a decoder
+    shape, the two blocks it gathers), its host state 1/world; before, every rank was priced the whole model."""
+    for rank in fsdp_testing.run(2, ["planned"], tmp_path):
+        got = rank["planned"]
+        assert "failed" not in got, got.get("failed")
+        whole, sharded = got["generic_whole"], got["generic_sharded"]
+        assert (whole["facts"].fsdp_shards, sharded["facts"].fsdp_shards) == (1, 2)
+        assert sharded["facts"].trained_values == whole["facts"].trained_values  # the model's, as its config counts
+        assert sharded["peak_vram_bytes"] == pytest.approx(whole["peak_vram_bytes"] / 2, rel=0.05)  # dim-0 shards
+        state = [p["host_bytes"] - (2 << 30) for p in (whole, sharded)]  # less the runtime's 2 GiB
+        assert state[1] == pytest.approx(state[0] / 2, abs=16)
+        whole, sharded = got["llama_whole"], got["llama_sharded"]
+        assert sharded["facts"].shape == whole["facts"].shape and sharded["facts"].fsdp_shards == 2
+        assert whole["network_bytes"] == 0 < sharded["network_bytes"]
+        assert sharded["vram"]["trained_weights"] < 0.8 * whole["vram"]["trained_weights"]  # 1/2 + two blocks
+        assert sum(sharded["host"].values()) < sum(whole["host"].values())
+
+
 def test_a_sharded_checkpoint_resumes_bit_exact_and_across_world_sizes(tmp_path):
     """save_checkpoint / load_checkpoint under FSDP2: each rank writes its shards' state as DTensors through
     DCP; resuming at 2 ranks repeats the uninterrupted run bit for bit, at 4 ranks and in one process within

@@ -12,7 +12,7 @@ import ts_planner
 
 from .. import _topology
 from .._units import fmt_bytes, fmt_seconds
-from ..engine.slots import ParamSlot
+from ..engine.slots import ParamSlot, is_dtensor
 from .disk_plan import MIN_DISK_VALUES, choose_disk_state
 
 __all__ = ["PLAN_BATCH", "PLAN_SEQ", "HostPlan", "ModelFacts", "PlanRefused", "WrapPlan", "describe_model",
@@ -160,13 +160,23 @@ class ModelFacts:
     weight_bytes: int  # every parameter and buffer, as stored
     cpu_bytes: int  # the part in host memory now
     mismatch: str | None = None
+    # FSDP2 (fully_shard): the ranks its parameters are sharded over (1: not sharded). weight_bytes and cpu_bytes
+    # are then this rank's shards'; the trained values and bytes and the shape stay the whole model's.
+    fsdp_shards: int = 1
 
 
 _DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _nbytes(t) -> int:
+    """Bytes of `t` in this process: an FSDP2 shard's (a DTensor's local tensor), else the tensor's."""
+    t = t._local_tensor if is_dtensor(t) else t
     return t.numel() * t.element_size()
+
+
+def _fsdp_shards(params: list) -> int:
+    """The ranks FSDP2 shards `params` over (its 1-D mesh's size: distributed/fsdp.py takes no other); 1 if none is."""
+    return max((p.device_mesh.size() for p in params if is_dtensor(p)), default=1)
 
 
 def describe_model(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> ModelFacts:
@@ -178,7 +188,7 @@ def describe_model(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> Mod
     tensors = params + list(model.buffers())
     quantized = [m.qweight for b in blocks for m in b.modules() if isinstance(m, QuantLinear)]
     weight = sum(map(_nbytes, tensors)) + sum(q.nbytes for q in quantized)
-    cpu = sum(_nbytes(t) for t in tensors if t.device.type == "cpu") + sum(
+    cpu = sum(_nbytes(t) for t in tensors if (t._local_tensor if is_dtensor(t) else t).device.type == "cpu") + sum(
         q.nbytes for q in quantized if q.device.type == "cpu")
     lora = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules()
             if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict) and len(m.lora_A)]
@@ -195,8 +205,8 @@ def describe_model(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> Mod
     fmt = str(quantized[0].format) if quantized else None
     facts = dict(train=train, lora_rank=rank, lora_targets=targets, dtype=dtype or "float32",
                  adapter_dtype=adapter, quantized=fmt, blocks=len(blocks),
-                 trained_values=sum(p.numel() for p in trained), trained_bytes=sum(map(_nbytes, trained)),
-                 weight_bytes=weight, cpu_bytes=cpu)
+                 trained_values=sum(p.numel() for p in trained), trained_bytes=sum(p.numel() * p.element_size() for p in trained),
+                 weight_bytes=weight, cpu_bytes=cpu, fsdp_shards=_fsdp_shards(params))
     try:
         shape = ts_planner.ModelShape.from_model(model)
     except ValueError as error:
@@ -288,7 +298,7 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
                 adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer=optimizer, moment_dtype=moment_dtype,
                 activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by,
                 compact_lora_inputs=compact_lora_inputs, embedding_on_host=embedding_on_host,
-                disk_state_share=disk_state_share)
+                disk_state_share=disk_state_share, fsdp_shards=facts.fsdp_shards)
     if stream_packing and streamed_blocks and facts.dtype == "bfloat16" and not facts.quantized and quantize in (None, "auto"):
         args["stream_packing"] = PACKED_RATIO  # the streamer streams exact weights, never quantized ones
     if facts.quantized:
@@ -386,10 +396,12 @@ def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: i
                   disk_state_share: float = 0.0) -> WrapPlan:
     """A model without a decoder shape: only its state is checked, weights in VRAM (no activation estimate)
     and AdamW's state in host RAM (fp32 master, moments, gradient and upload buffers; the share on disk
-    keeps only the last two there)."""
+    keeps only the last two there). Under FSDP2, this rank's shards' (the units it gathers are not priced:
+    their sizes need the decoder shape)."""
     moment = 2 if moment_dtype == "bfloat16" else 4
-    in_ram = facts.trained_values - round(facts.trained_values * disk_state_share)
-    host = in_ram * (4 + 2 * moment) + 2 * facts.trained_bytes + (2 << 30)
+    values = -(-facts.trained_values // facts.fsdp_shards)  # this rank's: FSDP2 shards by element
+    in_ram = values - round(values * disk_state_share)
+    host = in_ram * (4 + 2 * moment) + 2 * -(-facts.trained_bytes // facts.fsdp_shards) + (2 << 30)
     vram = facts.weight_bytes if streamed == 0 else None  # streamed blocks: not estimated without a shape
     if moment_dtype == "auto" and host > budget.host_bytes:
         host -= in_ram * 4  # "auto" falls back to bf16 moments
