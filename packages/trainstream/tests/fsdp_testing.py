@@ -59,7 +59,9 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1, clip: float | None = None) -> dict:
+def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1, clip: float | None = None,
+            **options) -> dict:
+    """FSDP2 + wrap(..., **options) against FSDP2 + torch AdamW, 4 steps on the same global batches."""
     reference = shard(make_model(), mixed)
     ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01), 4, rank,
                        world, accumulation, clip)
@@ -67,14 +69,16 @@ def compare(rank: int, world: int, *, mixed: bool = False, accumulation: int = 1
     optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01)
     planned = trainstream.plan(ours, optimizer, max_grad_norm=clip).host_state_bytes  # this rank's shards
     whole = trainstream.plan(make_model(), lr=1e-2, distributed=False).host_state_bytes  # one process, unsharded
-    model, opt = trainstream.wrap(ours, optimizer, max_grad_norm=clip, accumulation_steps=accumulation)
+    if "recompute" in options:
+        options["blocks"] = list(ours)[:BLOCKS]  # the sharded blocks (FSDP2's own classes now)
+    model, opt = trainstream.wrap(ours, optimizer, max_grad_norm=clip, accumulation_steps=accumulation, **options)
     losses = train(model, opt, 4, rank, world, accumulation, clip)
     report = trainstream.memory_report(model)
     trainstream.unwrap(model)
     return {"ref_losses": ref_losses, "losses": losses, "ref": full_weights(reference), "ours": full_weights(model),
             "host_values": sum(p["values"] for p in report["optimizer"]["placements"].values()),
             "total_values": sum(p.numel() for p in make_model().parameters()),
-            "planned_share": planned / whole,
+            "planned_share": planned / whole, "activations": report.get("activations"),
             "events": report["events"], "optimizer_params_after_unwrap": [type(p).__name__ for g in opt.param_groups
                                                                            for p in g["params"]]}
 
@@ -105,7 +109,8 @@ def refusals(rank: int, world: int) -> dict:
         fully_shard(block)
     for name, model, options in (("root_unsharded", blocks_only, {}),
                                  ("quantize", shard(make_model(), False), {"quantize": "int8"}),
-                                 ("distributed", shard(make_model(), False), {"distributed": True})):
+                                 ("distributed", shard(make_model(), False), {"distributed": True}),
+                                 ("activation_offload", shard(make_model(), False), {"activation_offload": True})):
         try:
             trainstream.wrap(model, torch.optim.AdamW(model.parameters()), **options)
             out[name] = "accepted"
@@ -175,6 +180,7 @@ CASES = {
     "plain": lambda r, w: compare(r, w),
     "clip_accumulate": lambda r, w: compare(r, w, clip=0.05, accumulation=2),
     "mixed": lambda r, w: compare(r, w, mixed=True, clip=0.5),
+    "recompute": lambda r, w: compare(r, w, mixed=True, recompute=True),
     "refusals": refusals,
     "overlap": overlap,
     "planned": planned,

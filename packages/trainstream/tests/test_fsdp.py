@@ -43,18 +43,21 @@ def test_fsdp2_and_wrap_equal_fsdp2_with_torch_adamw(tmp_path, world):
 
 
 def test_fsdp2_mixed_precision_overlap_and_what_does_not_compose(tmp_path):
-    """bf16 parameters in the forward, fp32 reduction and fp32 sharded parameters (the master); host AdamW
-    under way during backward; and the refusals at wrap(), each with its reason."""
-    (rank0, rank1) = fsdp_testing.run(2, ["mixed", "refusals", "overlap"], tmp_path)
+    """bf16 parameters in the forward, fp32 reduction and fp32 sharded parameters (the master), with and without
+    the blocks recomputed; host AdamW under way during backward; and the refusals at wrap(), each with its
+    reason."""
+    (rank0, rank1) = fsdp_testing.run(2, ["mixed", "recompute", "refusals", "overlap"], tmp_path)
     for rank in (rank0, rank1):
         assert "failed" not in rank["overlap"], rank["overlap"].get("failed")
         assert rank["overlap"]["host_updates_before_step"] == rank["overlap"]["sharded"]  # every shard, before step()
-    _check_equal(rank0["mixed"])
-    _check_equal(rank1["mixed"])
+        _check_equal(rank["mixed"])
+        _check_equal(rank["recompute"])  # every sharded block recomputed in backward (bf16 mixed precision)
+        assert rank["recompute"]["activations"]["recompute_blocks"] == [0, 1, 2]
     refused = rank0["refusals"]
     assert "its root is not: call fully_shard(model) on the root as well" in refused["root_unsharded"]
     assert refused["quantize"].startswith("quantize cannot be used on a model sharded by FSDP2")
     assert refused["distributed"].startswith("distributed cannot be used on a model sharded by FSDP2")
+    assert refused["activation_offload"].startswith("activation_offload cannot be used on a model sharded by FSDP2")
 
 
 def test_the_wrap_plan_prices_this_rank_s_shards_of_a_sharded_model(tmp_path):

@@ -162,11 +162,13 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
 
 def _under_fsdp2(opts: WrapOptions, decisions: list) -> WrapOptions:
     """FSDP2 owns the weights and reduces the gradients: trainstream's data parallel is off and its weight
-    placements (streaming, quantizing, the host embedding) do not apply to sharded parameters yet; set
-    explicitly, they are refused."""
+    placements (streaming, quantizing, the host embedding) do not apply to sharded parameters yet, nor does
+    paging activations (a block's saved tensors include FSDP2's gathered weights, which it frees and gathers
+    again itself; recomputation composes); set explicitly, they are refused."""
     given = {"distributed": opts.distributed is True, "param_offload": opts.param_offload not in (False, "auto"),
              "quantize": opts.quantize not in ("auto", None), "host_embedding": opts.host_embedding is True,
-             "nvme_path": opts.nvme_path is not None}
+             "nvme_path": opts.nvme_path is not None,
+             "activation_offload": opts.activation_offload not in (False, "auto")}
     refused = [name for name, on in given.items() if on]
     if refused:
         raise ValueError(f"{', '.join(refused)} cannot be used on a model sharded by FSDP2 (fully_shard): FSDP2 "
@@ -175,7 +177,7 @@ def _under_fsdp2(opts: WrapOptions, decisions: list) -> WrapOptions:
     decisions.append(Decision("distributed", False, "the model is sharded by FSDP2 (fully_shard): FSDP2 reduce-"
                                                     "scatters the gradients, and each rank trains its own shards"))
     return dataclasses.replace(opts, distributed=False, param_offload=False, host_embedding=False,
-                               quantize=None if opts.quantize == "auto" else opts.quantize)
+                               quantize=None if opts.quantize == "auto" else opts.quantize, activation_offload=False)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
