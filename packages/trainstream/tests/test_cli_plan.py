@@ -234,8 +234,18 @@ def test_world_size_prices_one_rank_s_share_of_the_host_state(capsys):
         state[ranks] = json.loads(out)["host"]["optimizer_state"]
     assert state[8] == pytest.approx(state[1] / 8, rel=1e-6)
     assert state[128] == pytest.approx(state[1] / 128, rel=1e-6)
-    code, out = _run(["--size", "14b", "--full", "--vram-gb", "24", "--host-gb", "64", "--world-size", "64"], capsys)
-    assert code == 0, out  # a 14B full fine-tune's state fits 64 GB per rank when 64 ranks split it
+    # Replicated, every rank holds the whole bf16 model and its gradients twice (until step(), and the buckets'
+    # copies): a 14B full fine-tune does not fit 24 GB at any number of ranks, nothing streams (its blocks train),
+    # and the advice is FSDP2, whose 64 shards fit.
+    args = ["--size", "14b", "--full", "--vram-gb", "24", "--host-gb", "64", "--world-size", "64", "--json"]
+    code, out = _run(args, capsys)
+    replicated = json.loads(out)
+    assert not replicated["fits"] and replicated["streamed_blocks"] == 0
+    assert replicated["vram"]["gradients"] == 2 * replicated["vram"]["trained_weights"]  # bf16, twice
+    code, out = _run(args[:-1], capsys)
+    assert code != 0 and "use FSDP2 (fully_shard the model, then wrap()" in out, out
+    code, out = _run([*args[:-1], "--fsdp"], capsys)
+    assert code == 0, out  # sharded over 64 ranks: fits 24 GB and 64 GB per rank
 
 
 def test_fsdp_plans_one_rank_of_the_sharded_model_and_its_network(capsys):

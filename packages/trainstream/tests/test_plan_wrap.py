@@ -170,6 +170,26 @@ def test_memory_report_has_the_plan_and_the_stalls_of_recent_steps():
         assert min(s["link_s"], s["host_optimizer_s"], s["none_s"]) >= 0 and s["disk_s"] == s["disk_wait_s"] == 0
 
 
+def test_data_parallel_is_planned_per_rank_with_every_gradient_twice_in_vram(monkeypatch):
+    """plan_wrap(state_shared_by=N): this rank's 1/N of the host state, and every gradient twice in VRAM (in
+    param.grad until step(), and its bucket's copy); wrap()'s plan passes the data-parallel world to it."""
+    f, b = facts("7b"), budget(80, 200)
+    alone, ranks = plan_wrap(f, b, quantize=None), plan_wrap(f, b, quantize=None, state_shared_by=4)
+    assert ranks.plan.options.state_shared_by == 4
+    assert ranks.plan.estimate.vram["gradients"] == 2 * f.trained_bytes > alone.plan.estimate.vram["gradients"]
+    host = [p.plan.estimate.host["optimizer_state"] for p in (alone, ranks)]
+    assert host[1] == pytest.approx(host[0] / 4, rel=1e-6)
+    from trainstream import distributed as tsd
+
+    monkeypatch.setattr(tsd, "world_of", lambda enabled: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args: 0)
+    patch_budget(monkeypatch, vram_bytes=80 * GiB)
+    planned = trainstream.plan(tiny_llama(), lr=1e-3)
+    assert planned.memory.plan.options.state_shared_by == 2
+    weights = planned.memory.plan.estimate.vram["trained_weights"]
+    assert planned.memory.plan.estimate.vram["gradients"] == 2 * weights  # fp32 weights, fp32 gradients
+
+
 def test_describe_model_reads_lora_and_plain_models():
     peft = pytest.importorskip("peft")
     base = tiny_llama()

@@ -21,7 +21,7 @@ def test_each_fsdp2_rank_holds_its_shards_and_one_block_pair_gathered(shards):
     sharded = estimate_memory(SHAPE, Options(train="full", fsdp_shards=shards))
     block = SHAPE.block_params * 2  # bf16
     assert sharded.vram["trained_weights"] == math.ceil(alone.vram["trained_weights"] / shards) + 2 * block
-    # The host optimizer's state is an even split by element (not whole tensors, as state_shared_by is).
+    # The host optimizer's state is an even split by element (as trainstream's data parallel splits it too).
     assert sharded.host["optimizer_state"] == pytest.approx(alone.host["optimizer_state"] / shards, rel=1e-6)
     assert sharded.host_optimizer_params == math.ceil(alone.host_optimizer_params / shards)
     weights = SHAPE.total_params * 2
@@ -34,6 +34,21 @@ def test_each_fsdp2_rank_holds_its_shards_and_one_block_pair_gathered(shards):
 def test_trainstream_data_parallel_sends_the_gradients_and_the_weights_once():
     e = estimate_memory(SHAPE, Options(train="full", state_shared_by=4))
     assert e.network_bytes == round(2 * e.trained_params * 2 * 3 / 4)
+
+
+@pytest.mark.parametrize("train", ["full", "lora"])
+@pytest.mark.parametrize("optimizer", ["host", "gpu"])
+def test_trainstream_data_parallel_keeps_every_gradient_and_its_bucket_copy_in_vram(train, optimizer):
+    """Under data parallel the gradients are reduced at step(): each waits in param.grad, beside its copy in the
+    bucket whose reduction started during backward (docs/multi-node.md, "What each rank holds")."""
+    alone = estimate_memory(SHAPE, Options(train=train, optimizer=optimizer))
+    shared = estimate_memory(SHAPE, Options(train=train, optimizer=optimizer, state_shared_by=4))
+    gradients = alone.trained_params * (2 if train == "full" else 4)  # bf16 weights, fp32 adapters
+    assert shared.vram["gradients"] == 2 * gradients
+    if optimizer == "gpu":
+        assert alone.vram["gradients"] == gradients  # one process: every gradient until step(), once
+    else:
+        assert alone.vram["gradients"] < gradients  # one process: only those in flight to the host
 
 
 def test_the_network_bounds_a_sharded_step():

@@ -213,6 +213,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     layers = shape.num_hidden_layers
     streamed = "auto" if args.param_offload in (None, "auto") else (
         round(args.param_offload[1] * layers) if isinstance(args.param_offload, tuple) else args.param_offload)
+    if args.world_size > 1 and not args.fsdp and not lora:  # a full fine-tune's blocks are trained weights
+        if streamed not in ("auto", 0):
+            parser.error("--param-offload streams a full fine-tune's trained weights, which trainstream's data "
+                         "parallel does not take (every rank would write its machine's one host copy): use --fsdp, "
+                         "or LoRA (--lora-rank)")
+        streamed = 0
     optimizer = args.optimizer or {None: "auto", "auto": "auto", "true": "host"}[args.offload]
     try:
         plan = ts_planner.plan_memory(

@@ -169,6 +169,10 @@ _ADVICE_TAKEN = {
     ("host RAM", "optimizer_state"): (lambda o: o.moment_dtype == "bfloat16", "LoRA adapters, or more host RAM"),
     ("VRAM", "frozen_weights"): (lambda o: o.quantize == "nf4", _STREAM),
     ("VRAM", "activations_kept"): (lambda o: o.page + o.recompute > 0, "more blocks recomputed or paged"),
+    # Data parallel keeps every gradient until step(), whatever the optimizer's place: only sharding frees it.
+    ("VRAM", "gradients"): (lambda o: o.state_shared_by > 1,
+                            "FSDP2 (fully_shard the model, then wrap(); `trainstream plan --fsdp`): data parallel "
+                            "keeps every gradient, and its bucket copy, in VRAM until step()"),
 }
 
 

@@ -29,7 +29,8 @@ class Options:
     ``streamed_shared_by``: processes of this machine that map one host copy of the streamed frozen
     weights (data parallel); each counts its share, as each gets its share of the machine's RAM.
     ``state_shared_by``: data-parallel ranks among which trainstream splits the trained parameters' host
-    optimizer state, each tensor whole to one owner (``state_share``: the busiest owner's part is priced).
+    optimizer state by element (``state_share``: the busiest rank's part is priced); every gradient then waits
+    in VRAM for ``step()``, beside its copy in the bucket reduced during backward (twice the gradients' bytes).
     ``compact_lora_inputs``: LoRA layers save their 16-bit input instead of a float32 copy (trainstream's
     option of that name). ``stream_packing``: the fraction of a streamed block's frozen bytes that cross the
     link (trainstream's ``stream_packing``: exponent-packed bf16, about 0.75; 1.0: as stored); below 1 a
@@ -259,11 +260,15 @@ def estimate_memory(shape: ModelShape, options: Options, cuda_context_bytes: int
     if o.optimizer == "gpu":
         shards = o.fsdp_shards  # FSDP2: each rank's gradients and state are its shards (plus a block in flight)
         grads = math.ceil(trained * trained_dtype / shards) + (2 * block_trained * trained_dtype if shards > 1 else 0)
+        if o.state_shared_by > 1:  # trainstream's data parallel: the buckets reduced during backward hold copies
+            grads += trained * trained_dtype
         state = math.ceil(trained * (2 * m + (4 if trained_dtype != 4 and o.master_weights else 0)) / shards)
         host_state, host_params, disk_bytes = 0, 0, 0
     else:
         in_flight = 2 * block_trained * trained_dtype
-        if o.train != "full":
+        if o.state_shared_by > 1:  # trainstream's data parallel: reduced at step(), their bucket copies beside them
+            grads = 2 * trained * trained_dtype
+        elif o.train != "full":
             grads = in_flight
         elif shape.tie_word_embeddings:
             grads = in_flight + outer_trained * a

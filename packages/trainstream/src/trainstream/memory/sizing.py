@@ -281,7 +281,7 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
               activations="auto", streamed_blocks: int = 0, streamed_shared_by: int = 1,
               tokens: tuple[int, int] = (PLAN_BATCH, PLAN_SEQ), compact_lora_inputs: bool = False,
               stream_packing: bool = False, embedding_on_host: bool = False, optimizer: str = "host",
-              disk_state_share: float = 0.0) -> WrapPlan:
+              disk_state_share: float = 0.0, state_shared_by: int = 1) -> WrapPlan:
     """The plan for wrap(): ``quantize`` "auto" takes the least of None, int8, NF4 that fits ``tokens``
     (batch, sequence length; wrap() does not see the batch: PLAN_BATCH x PLAN_SEQ), NF4 when none does,
     so more VRAM never quantizes more; the run is refused (``fits`` False) when even one token per step
@@ -289,16 +289,18 @@ def plan_wrap(facts: ModelFacts, budget: ts_planner.Budget, *, quantize="auto", 
     priced at PACKED_RATIO of their bytes); ``embedding_on_host``: the frozen input embedding lives in host memory
     (wrap()'s ``host_embedding``); ``optimizer``: where the optimizer state is priced ("host", or "auto": in
     VRAM where it fits beside the rest, as offload='auto' moves it); ``disk_state_share``: the share of the
-    trained values whose state is on disk (nvme_path). Other arguments as ``ts_planner.plan_memory``'s."""
+    trained values whose state is on disk (nvme_path); ``state_shared_by``: data-parallel ranks (each keeps its
+    share of the host state, and every gradient with its bucket copy in VRAM until step()). Other arguments as
+    ``ts_planner.plan_memory``'s."""
     batch, seq = tokens
     if facts.shape is None:
-        return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks, disk_state_share)
+        return _generic_plan(facts, budget, quantize, moment_dtype, streamed_blocks, disk_state_share, state_shared_by)
     shape = facts.shape
     args = dict(train=facts.train, lora_rank=facts.lora_rank, lora_targets=facts.lora_targets,
                 adapter_dtype=facts.adapter_dtype, dtype=facts.dtype, optimizer=optimizer, moment_dtype=moment_dtype,
                 activations=activations, streamed_blocks=streamed_blocks, streamed_shared_by=streamed_shared_by,
                 compact_lora_inputs=compact_lora_inputs, embedding_on_host=embedding_on_host,
-                disk_state_share=disk_state_share, fsdp_shards=facts.fsdp_shards)
+                disk_state_share=disk_state_share, fsdp_shards=facts.fsdp_shards, state_shared_by=state_shared_by)
     if stream_packing and streamed_blocks and facts.dtype == "bfloat16" and not facts.quantized and quantize in (None, "auto"):
         args["stream_packing"] = PACKED_RATIO  # the streamer streams exact weights, never quantized ones
     if facts.quantized:
@@ -393,16 +395,19 @@ def _fixes(facts: ModelFacts, budget, options, args: dict, moment_dtype, streame
 
 
 def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: int,
-                  disk_state_share: float = 0.0) -> WrapPlan:
+                  disk_state_share: float = 0.0, ranks: int = 1) -> WrapPlan:
     """A model without a decoder shape: only its state is checked, weights in VRAM (no activation estimate)
     and AdamW's state in host RAM (fp32 master, moments, gradient and upload buffers; the share on disk
     keeps only the last two there). Under FSDP2, this rank's shards' (the units it gathers are not priced:
-    their sizes need the decoder shape)."""
+    their sizes need the decoder shape); under data parallel (``ranks``), this rank's share of the state, and
+    every gradient with its bucket copy in VRAM."""
     moment = 2 if moment_dtype == "bfloat16" else 4
-    values = -(-facts.trained_values // facts.fsdp_shards)  # this rank's: FSDP2 shards by element
+    split = facts.fsdp_shards * ranks  # this rank's values: FSDP2's shards, or data parallel's even split
+    values = -(-facts.trained_values // split)
     in_ram = values - round(values * disk_state_share)
-    host = in_ram * (4 + 2 * moment) + 2 * -(-facts.trained_bytes // facts.fsdp_shards) + (2 << 30)
-    vram = facts.weight_bytes if streamed == 0 else None  # streamed blocks: not estimated without a shape
+    host = in_ram * (4 + 2 * moment) + 2 * -(-facts.trained_bytes // split) + (2 << 30)
+    gradients = 2 * facts.trained_bytes if ranks > 1 else 0  # reduced at step(), beside their bucket copies
+    vram = facts.weight_bytes + gradients if streamed == 0 else None  # streamed: not estimated without a shape
     if moment_dtype == "auto" and host > budget.host_bytes:
         host -= in_ram * 4  # "auto" falls back to bf16 moments
         moment = 2
@@ -411,7 +416,8 @@ def _generic_plan(facts: ModelFacts, budget, quantize, moment_dtype, streamed: i
                "moment_dtype": "float32" if moment == 4 else "bfloat16"}
     short = []
     if vram is not None and quantize is None and vram > budget.usable_vram:  # "auto": choose_quantize decides
-        short.append(f"needs {fmt_bytes(vram, 'GiB', 1)} of VRAM for its weights, "
+        what = "its weights" + (" and its gradients twice (data parallel's buckets)" if gradients else "")
+        short.append(f"needs {fmt_bytes(vram, 'GiB', 1)} of VRAM for {what}, "
                      f"{fmt_bytes(budget.usable_vram, 'GiB', 1)} available: "
                      f"use quantize='nf4' (frozen block weights) or param_offload=True")
     if host > budget.host_bytes:

@@ -126,7 +126,9 @@ def decide(model: torch.nn.Module, optimizer, opts: WrapOptions) -> Plan:
     if host.on_disk:
         budget, rates = _with_disk_rates(budget, opts.nvme_path)
         notes.append(("plan", rates))
-    inputs = _Inputs(blocks, facts, budget, host.disk_share)
+    from .. import distributed as tsd
+
+    inputs = _Inputs(blocks, facts, budget, host.disk_share, tsd.world_of(opts.distributed))
     if streamed is None:
         offload, why, implied = _auto_param_offload(opts, inputs, moments)
         decisions.append(Decision("param_offload", offload, why))
@@ -202,12 +204,14 @@ def _host_embedding(model: torch.nn.Module, device: torch.device, opts) -> tuple
 
 class _Inputs(typing.NamedTuple):
     """What steps 4-6 plan with: the repeated blocks, the model's facts, this process's budget (with the
-    disk's rates when state lives on disk), and the share of the trained values on disk."""
+    disk's rates when state lives on disk), the share of the trained values on disk, and the data-parallel
+    ranks the host optimizer state is split over (1: one process, or FSDP2's shards, which the facts count)."""
 
     blocks: list
     facts: object
     budget: object
     disk_share: float
+    ranks: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +331,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
     weights when that fits and quantizes nothing; ``prefer="speed"`` (or exact weights that do not fit
     even streamed) streams nothing while some quantization fits resident (the faster way to fit), else
     NF4 codes stream."""
-    blocks, facts, budget, disk_share = inputs
+    blocks, facts, budget, disk_share, ranks = inputs
     if facts.shape is None or not blocks:
         return False, "param_offload='auto': none stream (no decoder config or repeated blocks to plan with)", None
     activations = _activations(opts, len(blocks))
@@ -347,7 +351,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
     if fmt == "auto":
         resident = plan_wrap(facts, budget, quantize="auto", moment_dtype=moments, activations=activations,
                              streamed_blocks=0, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer,
-                             disk_state_share=disk_share)
+                             disk_state_share=disk_share, state_shared_by=ranks)
         if resident.plan is not None and resident.plan.fits:
             return False, ("param_offload='auto': none stream, quantize='auto' fits the weights"
                            + (note or " (prefer='speed'; pass quantize=None to stream exact weights instead)")), None
@@ -369,7 +373,7 @@ def _auto_param_offload(opts, inputs, moments: str) -> tuple[list[int] | bool, s
 def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_SEQ)) -> WrapPlan:
     """The plan with the fewest streamed blocks that fits `tokens` with the weights stored as `fmt` (the
     plan with all of them streamed when none does)."""
-    blocks, facts, budget, disk_share = inputs
+    blocks, facts, budget, disk_share, ranks = inputs
     activations = _activations(opts, len(blocks))
     optimizer = _optimizer_priced(opts, budget)
     frozen = sum(nbytes_of(frozen_params_of(b)) for b in blocks)
@@ -380,7 +384,7 @@ def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_S
                          compact_lora_inputs=_compact_lora_inputs(opts, blocks),
                          stream_packing=opts.stream_packing is not False,
                          embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer,
-                         disk_state_share=disk_share)
+                         disk_state_share=disk_share, state_shared_by=ranks)
         if plan.plan is not None and plan.plan.fits:
             break
     return plan
@@ -391,7 +395,7 @@ def _fewest_streamed(inputs, opts, fmt, moments: str, tokens=(PLAN_BATCH, PLAN_S
 def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moments: str) -> tuple[WrapPlan, bool]:
     """(ts-planner's plan for these options, stream_packing settled); PlanRefused (check_memory=True)
     when even one token per step does not fit."""
-    blocks, facts, budget, disk_share = inputs
+    blocks, facts, budget, disk_share, ranks = inputs
     optimizer = _optimizer_priced(opts, budget)
     auto = opts.quantize == "auto"
     quantize = ("auto" if device.type == "cuda" and not streamed else None) if auto else opts.quantize
@@ -403,7 +407,7 @@ def _memory_plan(device: torch.device, opts, inputs, streamed: list[int], moment
                          activations=_activations(opts, len(blocks)), streamed_blocks=len(streamed),
                          streamed_shared_by=shared_by, compact_lora_inputs=_compact_lora_inputs(opts, blocks),
                          stream_packing=packing, embedding_on_host=_embedding_on_host(opts, facts), optimizer=optimizer,
-                         disk_state_share=disk_share)
+                         disk_state_share=disk_share, state_shared_by=ranks)
 
     packing = opts.stream_packing is not False
     plan = planned(packing)
