@@ -171,6 +171,7 @@ class DataParallel:
         """Every bucket of `with_grad`'s pieces copied and reduced at step(): the path without overlap."""
         grads = {s.index: None if s.param.grad is None else grad_in_memory_order(s.param.grad.detach(), s.param)
                  for s in with_grad}
+        left = {s.index: len(self.pieces[s.index]) for s in with_grad}  # pieces not copied yet
         pending = []
         for bucket in self._buckets(pieces):
             buf = self._buffer(bucket, pieces)
@@ -183,10 +184,11 @@ class DataParallel:
                     part.zero_()  # no gradient on this rank: its share of the global batch contributes 0
                 else:
                     part.copy_(grad[piece.lo:piece.hi])
+                left[piece.item] -= 1
+                if left[piece.item] == 0:  # every piece is in a bucket: the gradient's memory is free for the next
+                    grads[piece.item] = self.slots[piece.item].param.grad = None
                 offset += piece.numel
             pending.append((bucket, buf, self.comm.reduce_async(buf, bucket.owner)))
-        for slot in with_grad:
-            slot.param.grad = None  # the buckets hold them now
         done = []
         for bucket, buf, work in pending:
             self.comm.wait(work, f"the reduction of gradients to rank {bucket.owner}")
