@@ -1,4 +1,5 @@
-r"""FSDP2 + trainstream against FSDP2 with torch's AdamW, FSDP2 with CPUOffloadPolicy and DDP, on the CPU with gloo.
+r"""FSDP2 + trainstream against FSDP2 with torch's AdamW, FSDP2 with CPUOffloadPolicy and DDP, on the CPU with gloo,
+beside trainstream's own (replicated) data parallel.
 
 Each engine runs as `--world` spawned ranks (fresh processes), alternated in rounds (A B C D A B C D ...). A
 run's figure is the median step time of its steps after the warm-up (rank 0's clock; every rank steps in
@@ -29,7 +30,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _record
 
-ENGINES = ["fsdp2-torch-adamw", "fsdp2-cpu-offload", "fsdp2-trainstream", "ddp-torch-adamw"]
+ENGINES = ["fsdp2-torch-adamw", "fsdp2-cpu-offload", "fsdp2-trainstream", "ddp-torch-adamw", "dp-trainstream"]
 SHAPES = {"default": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=2048),
           "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256)}
 
@@ -49,6 +50,10 @@ def _setup(engine: str, model: torch.nn.Module):
     if engine == "ddp-torch-adamw":
         model = torch.nn.parallel.DistributedDataParallel(model)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if engine == "dp-trainstream":  # the plain model in the process group: trainstream's data parallel
+        import trainstream
+
+        return trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     kw = {"offload_policy": CPUOffloadPolicy()} if engine == "fsdp2-cpu-offload" else {}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
@@ -85,8 +90,10 @@ def _rank(rank: int, world: int, port: int, engine: str, args: dict, out: str) -
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         kept = times[args["warm"]:]
+        session = getattr(model, "_trainstream_session", None)  # trainstream: the host state this rank keeps
         result.update(median_s=statistics.median(kept), steps_s=times, losses=losses,
-                      rss_bytes=psutil.Process().memory_info().rss)
+                      rss_bytes=psutil.Process().memory_info().rss,
+                      host_state_bytes=None if session is None else session.host_state_bytes)
     except Exception as e:  # an engine's failure is its outcome
         result.update(outcome=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", median_s=None)
     torch.save(result, pathlib.Path(out) / f"{engine}-rank{rank}.pt")
@@ -118,6 +125,7 @@ def run_engine(engine: str, world: int, args: dict, limit: float) -> dict:
         ranks = [torch.load(pathlib.Path(out) / f"{engine}-rank{r}.pt", weights_only=False) for r in range(world)]
     first = ranks[0]
     return {**first, "rss_bytes_per_rank": [r.get("rss_bytes") for r in ranks],
+            "host_state_bytes_per_rank": [r.get("host_state_bytes") for r in ranks],
             "outcomes": [r["outcome"] for r in ranks]}
 
 
