@@ -8,10 +8,14 @@ some leave docs/ (the README, the changelog, the packages' READMEs). Here:
   package's README.
 - A link to a repository file outside docs/ that the site presents as a page (``REPO_PAGES``) points to that
   page; any other link out of docs/ is left as it is, so mkdocs --strict reports it.
+- The option tables of options.md are rendered from the code at build time (the generator of
+  packages/trainstream/tests/test_options_docs.py), so the site shows a field added to ``trainstream.Config`` even
+  before the committed page is regenerated (that test fails until it is).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import posixpath
 import re
 from pathlib import Path
@@ -67,7 +71,25 @@ def _include(match: re.Match, page_uri: str) -> str:
     return rebase(text, posixpath.dirname(path), page_uri)
 
 
+def _options_generator():
+    path = ROOT / "packages" / "trainstream" / "tests" / "test_options_docs.py"
+    spec = importlib.util.spec_from_file_location("_options_docs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _current_options(markdown: str) -> str:
+    generator = _options_generator()
+    old = generator.section(markdown)
+    if not old:
+        raise ValueError(f"docs/options.md lacks its generated section ({generator.BEGIN})")
+    return markdown.replace(old, generator.render())
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     uri = page.file.src_uri
+    if uri == "options.md":
+        markdown = _current_options(markdown)
     markdown = _INCLUDE.sub(lambda m: _include(m, uri), markdown)
     return rebase(markdown, posixpath.join("docs", posixpath.dirname(uri)).rstrip("/"), uri)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..engine.slots import shaped
+from ..engine.slots import in_memory_order, shaped
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -181,7 +181,7 @@ def _joined(slot, entry: dict, read: list) -> dict:
     for a, b, name, field in read:
         source = entry.pop(field)
         if field == name:  # saved whole, in the parameter's shape: its values in memory order
-            source = _in_memory_order(source, like)
+            source = in_memory_order(source, like)
         values = joined.setdefault(name, torch.empty(hi - lo, dtype=torch.float32))
         values[max(a, lo) - lo:min(b, hi) - lo] = source[max(a, lo) - a:min(b, hi) - a]
     if slot.span is None:  # a whole parameter (one process, or owned whole) takes its shape
@@ -189,8 +189,3 @@ def _joined(slot, entry: dict, read: list) -> dict:
     return joined
 
 
-def _in_memory_order(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``like``'s shape as a flat CPU tensor in ``like``'s memory order."""
-    out = torch.empty(like.numel(), dtype=values.dtype)
-    shaped(out, like).copy_(values.reshape(like.shape))
-    return out

@@ -315,7 +315,7 @@ class ParamSlot:
         self.step = int(step)
         if self.disk is None or master is not None:
             # A streamed weight is written to its host copy; the caller drops a resident device copy.
-            new = self.master if self.disk is None else _memory_order(master, like, torch.float32)
+            new = self.master if self.disk is None else in_memory_order(master, like, torch.float32)
             (self.out_host if self.streamed else self.weight_view()).copy_(new)
         self.note_weight()
         ParamSlot.buffer_changes += 1
@@ -325,19 +325,20 @@ class ParamSlot:
         exactly the span's already."""
         if values.numel() == self.numel and values.numel() != like.numel():
             return values.reshape(-1)
-        return self._part(_memory_order(values, like, values.dtype))
+        return self._part(in_memory_order(values, like, values.dtype))
 
     def _load_on_disk(self, like: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       master: torch.Tensor | None) -> None:
         """load() for a slot on disk: the file takes the state in the parameter's memory order."""
         moments = self.disk.moment_dtype
-        self.disk.write(self, master=_memory_order(master if master is not None else like, like, torch.float32),
-                        exp_avg=_memory_order(exp_avg, like, moments),
-                        exp_avg_sq=_memory_order(exp_avg_sq, like, moments))
+        self.disk.write(self, master=in_memory_order(master if master is not None else like, like, torch.float32),
+                        exp_avg=in_memory_order(exp_avg, like, moments),
+                        exp_avg_sq=in_memory_order(exp_avg_sq, like, moments))
 
 
-def _memory_order(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` (``like``'s shape) as a flat CPU tensor in ``like``'s memory order."""
-    out = torch.empty(like.numel(), dtype=dtype)
+def in_memory_order(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (``like``'s shape) as a flat CPU tensor of ``dtype`` (default: its own) in ``like``'s memory
+    order."""
+    out = torch.empty(like.numel(), dtype=values.dtype if dtype is None else dtype)
     shaped(out, like).copy_(values.reshape(like.shape))
     return out
