@@ -1,6 +1,7 @@
 """activation_offload='auto' / recompute='auto': keep, page or recompute each block, by measurement.
 
-The probe (the first forward with gradients on): block 0's saved tensors are paged and counted,
+The probe (the first forward with gradients on): one block's saved tensors (the second block's when there
+are two or more: policy.py's ``_probe``) are paged and counted,
 and its forward is timed; from that and the VRAM under the target, ``choose()`` decides the other
 blocks before they run, so the probe itself fits. After each of the first steps the measured peak
 corrects the VRAM estimate (the loss, the output layer and backward's working memory are only known
