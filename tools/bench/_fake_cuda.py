@@ -70,21 +70,25 @@ def install(setattr_, *, apply: bool) -> list[dict]:
     """Installs the fakes; returns the list every launch is recorded in."""
     seen: list[dict] = []
 
-    def launch(params, grads, exp_avgs, exp_avg_sqs, params_out, keys, seed, kwargs):
-        seen.append({"count": len(params), "keys": list(keys or range(len(params))), **kwargs})
+    def launch(params, grads, exp_avgs, exp_avg_sqs, params_out, keys, offsets, seed, kwargs):
+        keys = list(keys or range(len(params)))
+        offsets = list(offsets or [0] * len(params))
+        seen.append({"count": len(params), "keys": keys, "offsets": offsets, **kwargs})
         if apply:
             outs = params_out or [None] * len(params)
-            for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, outs):
-                REAL_ADAMW_STEP(p, g.detach().reshape(-1), m, v, param_out=out, seed=seed, **kwargs)
+            for p, g, m, v, out, key, offset in zip(params, grads, exp_avgs, exp_avg_sqs, outs, keys, offsets):
+                REAL_ADAMW_STEP(p, g.detach().reshape(-1), m, v, param_out=out, seed=seed, key=key, offset=offset,
+                                **kwargs)
 
-    def cuda_adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, params_out=None, stream=None, keys=None, seed=0,
-                        **kwargs):
-        launch(params, grads, exp_avgs, exp_avg_sqs, params_out, keys, seed, kwargs)
+    def cuda_adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, params_out=None, stream=None, keys=None,
+                        offsets=None, seed=0, **kwargs):
+        launch(params, grads, exp_avgs, exp_avg_sqs, params_out, keys, offsets, seed, kwargs)
 
     class Batch:
-        def __init__(self, params, exp_avgs, exp_avg_sqs, *, params_out=None, keys=None, grad_dtypes=None):
+        def __init__(self, params, exp_avgs, exp_avg_sqs, *, params_out=None, keys=None, offsets=None,
+                     grad_dtypes=None):
             self.lists = (params, exp_avgs, exp_avg_sqs)
-            self.params_out, self.keys = params_out, keys
+            self.params_out, self.keys, self.offsets = params_out, keys, offsets
 
         def __len__(self):
             return len(self.lists[0])
@@ -92,7 +96,7 @@ def install(setattr_, *, apply: bool) -> list[dict]:
         def step(self, grads, *, stream=None, seed=0, **kwargs):
             if len(grads) != len(self):
                 raise ValueError(f"CudaAdamWBatch.step: got {len(grads)} gradients for {len(self)} parameters")
-            launch(self.lists[0], grads, *self.lists[1:], self.params_out, self.keys, seed, kwargs)
+            launch(self.lists[0], grads, *self.lists[1:], self.params_out, self.keys, self.offsets, seed, kwargs)
 
     setattr_(ts_adamw, "cuda_adamw_step", cuda_adamw_step)
     setattr_(ts_adamw, "CudaAdamWBatch", Batch)

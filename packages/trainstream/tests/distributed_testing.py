@@ -360,6 +360,44 @@ def _rank_stalls(rank, world, out, **options):
             "teardown_s": time.monotonic() - started}
 
 
+def as_reduced(grad: torch.Tensor, world: int) -> torch.Tensor:
+    """What data parallel makes of `grad` when every rank has it: the reduction's sum, then its division."""
+    total = grad
+    for _ in range(world - 1):
+        total = total + grad
+    return total / world
+
+
+def _bf16_moments(rank, world, out):
+    """bf16 moments (stochastically rounded) under data parallel, a cut inside a parameter, against one process
+    (``distributed=False``, in this process). Every rank trains on the whole global batch and the one-process
+    run's gradients get the reduction's arithmetic (a tensor hook: ``as_reduced``), so both runs update with the
+    same gradient bits: any difference is the optimizer's, e.g. a piece rounding with its parameter's bits from
+    element 0 instead of from its first value."""
+    import trainstream
+
+    runs = {}
+    for distributed in (True, False):
+        model = make_model()
+        if not distributed:
+            for p in model.parameters():
+                p.register_hook(lambda grad: as_reduced(grad, world))
+        model, optimizer = trainstream.wrap(model, make_optimizer(model), threads=1, moment_dtype="bfloat16",
+                                            distributed=distributed)
+        for step in range(STEPS):
+            x, y = global_batch(step, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        state = optimizer.state_dict()["state"]  # a collective under data parallel: the pieces joined
+        runs["dp" if distributed else "alone"] = {
+            "weights": weights(model),
+            "state": {i: {k: v.clone() for k, v in fields.items() if torch.is_tensor(v)} for i, fields in state.items()},
+            "spans": {s.index: s.span for s in model._trainstream_session.engine.active}}
+        trainstream.unwrap(model)
+    return runs
+
+
 ATTENTION_TABLES = ({"flash": 1.0, "math": 2.0}, {"flash": 3.0, "math": 1.0})  # alone: rank 0 flash, rank 1 math
 
 
@@ -400,6 +438,7 @@ SCENARIOS = {
     "resume_dcp_alone": lambda r, w, o: _train(r, w, o, resume_dcp=o / "dcp-1process"),
     "rewrap": _rewrap,
     "attention_agree": _attention_agree,
+    "bf16_moments": _bf16_moments,
     "unfreeze": _unfreeze,
     "forced_off": _forced_off,
     "mismatch_shape": lambda r, w, o: _mismatch(r, w, o, what="shape"),

@@ -44,14 +44,14 @@ def out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(out):
     return run_ranks(2, [*TRAINING, *OVERLAP, "mid_window", "hand_set", "discard", "rewrap", "unfreeze", "forced_off", "mismatch_shape",
-                         "mismatch_settings", "attention_agree"], out)
+                         "mismatch_settings", "attention_agree", "bf16_moments"], out)
 
 
 @pytest.fixture(scope="module")
 def three(out, two):  # `two` wrote the checkpoint that "resume" loads
     _save_in_one_process(out / "dcp-1process")  # the sharded checkpoint "resume_dcp_alone" loads
     return run_ranks(3, [*TRAINING, *OVERLAP, "resume", "resume_optimizer_only", "resume_dcp", "resume_dcp_alone",
-                         "rank_dies"], out)
+                         "bf16_moments", "rank_dies"], out)
 
 
 def _save_in_one_process(folder) -> None:
@@ -95,6 +95,29 @@ def test_ranks_train_like_one_process_on_the_global_batch(two, three, world, sce
     for rank in range(1, world):
         assert _max_diff(_result(runs, scenario, rank)["weights"], first) == 0.0  # the ranks agree exactly
     assert all(_result(runs, scenario, rank)["session_freed"] for rank in range(world))  # no cycle left
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_moments_of_split_parameters_are_the_bits_of_one_process(two, three, world):
+    """Stochastically rounded bf16 moments: a parameter split between ranks rounds each piece with the bits its
+    values draw in one process (ts-adamw's offsets), so the masters, moments and weights are those of one
+    process bit for bit, given the same gradients (distributed_testing._bf16_moments)."""
+    runs = two if world == 2 else three
+    results = [_result(runs, "bf16_moments", rank) for rank in range(world)]
+    # A cut falls inside a parameter: some rank keeps a piece that starts after its value 0.
+    assert any(span is not None and span[0] > 0 for r in results for span in r["dp"]["spans"].values())
+    untrained = weights(make_model())
+    for rank, result in enumerate(results):
+        dp, alone = result["dp"], result["alone"]
+        assert _max_diff(alone["weights"], untrained) > 1e-3  # it trained
+        assert sorted(dp["state"]) == sorted(alone["state"]) == list(range(8))  # every parameter's state, joined
+        for index, fields in alone["state"].items():
+            assert fields["exp_avg"].dtype == fields["exp_avg_sq"].dtype == torch.bfloat16
+            assert sorted(dp["state"][index]) == sorted(fields), index
+            for name, value in fields.items():
+                assert torch.equal(dp["state"][index][name], value), (rank, index, name)
+        for name, value in alone["weights"].items():
+            assert torch.equal(dp["weights"][name], value), (rank, name)
 
 
 def test_a_parameter_unfrozen_during_training_is_trained_by_its_owner(two):

@@ -120,20 +120,15 @@ void step_sync(const Arrays& params, const Arrays& grads, const Arrays& ms, cons
 
 // step() over pieces of larger tensors: offsets[i] is the index of element 0
 // of tensor i in its whole tensor's stochastic-rounding stream, so a tensor
-// updated piece by piece (the disk tier's segments) gets the bits of one call.
+// updated piece by piece (the disk tier's segments, a data-parallel rank's
+// pieces) gets the bits of one call. Empty offsets: every tensor is a whole.
 void step_pieces(const Arrays& params, const Arrays& grads, const Arrays& ms, const Arrays& vs, const Arrays& outs,
                  const std::vector<uint32_t>& slots, const std::vector<int64_t>& offsets, double lr, double beta1,
                  double beta2, double eps, double wd, int64_t step, bool maximize, double grad_scale, uint64_t seed,
                  int threads) {
     Plan plan = host_plan(params, grads, ms, vs, outs, slots,
                           make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed), threads);
-    TS_CHECK_ARG(offsets.size() == plan.segments.size(), "adamw_step: ", offsets.size(), " offsets for ",
-                 plan.segments.size(), " tensors");
-    for (size_t i = 0; i < offsets.size(); ++i) {
-        TS_CHECK_ARG(offsets[i] >= 0 && offsets[i] <= (int64_t(1) << 62), "adamw_step: offsets[", i, "]=",
-                     offsets[i], " must be from 0 to 2**62");
-        plan.segments[i].first_index = offsets[i];
-    }
+    assign_offsets("adamw_step", plan.segments, offsets);
     nb::gil_scoped_release release;
     run_host_step(plan);
 }
@@ -206,11 +201,13 @@ IoFault io_fault(const std::string& name) {
 PyObject* disk_io_error = nullptr;  // ts_adamw._core.DiskIOError, created once by the module
 
 std::unique_ptr<StepHandle> step_async(Arrays params, Arrays grads, Arrays ms, Arrays vs, Arrays outs,
-                                       const std::vector<uint32_t>& slots, double lr, double beta1, double beta2,
-                                       double eps, double wd, int64_t step, bool maximize, double grad_scale,
-                                       uint64_t seed, int threads, nb::object keepalive) {
+                                       const std::vector<uint32_t>& slots, const std::vector<int64_t>& offsets,
+                                       double lr, double beta1, double beta2, double eps, double wd, int64_t step,
+                                       bool maximize, double grad_scale, uint64_t seed, int threads,
+                                       nb::object keepalive) {
     Plan plan = host_plan(params, grads, ms, vs, outs, slots,
                           make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed), threads);
+    assign_offsets("adamw_step_async", plan.segments, offsets);
     auto handle = std::make_unique<StepHandle>();
     handle->keepalive = std::move(keepalive);
     for (Arrays* list : {&params, &grads, &ms, &vs, &outs})
@@ -220,16 +217,18 @@ std::unique_ptr<StepHandle> step_async(Arrays params, Arrays grads, Arrays ms, A
 }
 
 void step_cuda(const Arrays& params, const Arrays& grads, const Arrays& ms, const Arrays& vs, const Arrays& outs,
-               const std::vector<uint32_t>& slots, double lr, double beta1, double beta2, double eps, double wd,
-               int64_t step, bool maximize, double grad_scale, uint64_t seed, uintptr_t stream) {
-    cuda_step(params, grads, ms, vs, outs, slots, make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed),
-              stream);
+               const std::vector<uint32_t>& slots, const std::vector<int64_t>& offsets, double lr, double beta1,
+               double beta2, double eps, double wd, int64_t step, bool maximize, double grad_scale, uint64_t seed,
+               uintptr_t stream) {
+    cuda_step(params, grads, ms, vs, outs, slots, offsets,
+              make_args(lr, beta1, beta2, eps, wd, step, maximize, grad_scale, seed), stream);
 }
 
 std::unique_ptr<PreparedCudaStep> prepare_cuda(Arrays params, Arrays ms, Arrays vs, Arrays outs,
-                                               const std::vector<uint32_t>& slots, const std::vector<int>& grad_kinds) {
-    return std::make_unique<PreparedCudaStep>(
-        prepare_cuda_step(std::move(params), std::move(ms), std::move(vs), std::move(outs), slots, grad_kinds));
+                                               const std::vector<uint32_t>& slots, const std::vector<int64_t>& offsets,
+                                               const std::vector<int>& grad_kinds) {
+    return std::make_unique<PreparedCudaStep>(prepare_cuda_step(std::move(params), std::move(ms), std::move(vs),
+                                                                std::move(outs), slots, offsets, grad_kinds));
 }
 
 void launch_prepared(const PreparedCudaStep& step, const std::vector<uintptr_t>& grads, double lr, double beta1,
@@ -321,12 +320,20 @@ NB_MODULE(_core, m) {
                                nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"), nb::arg("step"),
                                nb::arg("maximize"), nb::arg("grad_scale"), nb::arg("seed"), extra...);
     };
+    // The same with `offsets` (each tensor's first index in its rounding stream; empty: all 0) after `slots`.
+    auto piece_args = [](auto&&... extra) {
+        return std::make_tuple(nb::arg("params").noconvert(), nb::arg("grads").noconvert(),
+                               nb::arg("exp_avgs").noconvert(), nb::arg("exp_avg_sqs").noconvert(),
+                               nb::arg("params_out").noconvert(), nb::arg("slots"), nb::arg("offsets"), nb::arg("lr"),
+                               nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
+                               nb::arg("step"), nb::arg("maximize"), nb::arg("grad_scale"), nb::arg("seed"), extra...);
+    };
     std::apply([&](auto&&... a) { m.def("step", &step_sync, a..., "Fused AdamW over CPU tensor lists, in place."); },
                step_args(nb::arg("threads")));
-    std::apply([&](auto&&... a) { m.def("step_async", &step_async, a..., "step() on the async lane; a StepHandle."); },
-               step_args(nb::arg("threads"), nb::arg("keepalive")));
+    std::apply([&](auto&&... a) { m.def("step_async", &step_async, a..., "step_pieces() on the async lane."); },
+               piece_args(nb::arg("threads"), nb::arg("keepalive")));
     std::apply([&](auto&&... a) { m.def("cuda_step", &step_cuda, a..., "Multi-tensor AdamW kernel on `stream`."); },
-               step_args(nb::arg("stream")));
+               piece_args(nb::arg("stream")));
     nb::class_<PreparedCudaStep>(m, "PreparedCudaStep",
                                  "The checked state of a fused CUDA AdamW over a fixed parameter set (see "
                                  "ts_adamw.CudaAdamWBatch); launch() takes the gradients as device addresses.")
@@ -336,7 +343,7 @@ NB_MODULE(_core, m) {
         .def_prop_ro("count", [](const PreparedCudaStep& s) { return s.prepared.plan.segments.size(); });
     m.def("prepare_cuda_step", &prepare_cuda, nb::arg("params").noconvert(), nb::arg("exp_avgs").noconvert(),
           nb::arg("exp_avg_sqs").noconvert(), nb::arg("params_out").noconvert(), nb::arg("slots"),
-          nb::arg("grad_kinds"), "Checks and places the state tensors of a CudaAdamWBatch once.");
+          nb::arg("offsets"), nb::arg("grad_kinds"), "Checks and places the state tensors of a CudaAdamWBatch once.");
     m.def("sum_of_squares", &squares, nb::arg("tensors").noconvert(), nb::arg("threads"),
           "Sum of x*x over CPU tensors (fp64 result, deterministic for any thread count).");
     m.def("host_isa", [] { return std::string(isa_name(active_isa())); }, "SIMD variant the host kernels use.");
@@ -361,12 +368,13 @@ NB_MODULE(_core, m) {
             step_lane().drain();
         },
         "Waits (GIL released) until every submitted async step has finished; run at interpreter exit.");
-    m.def("step_pieces", &step_pieces, nb::arg("params").noconvert(), nb::arg("grads").noconvert(),
-          nb::arg("exp_avgs").noconvert(), nb::arg("exp_avg_sqs").noconvert(), nb::arg("params_out").noconvert(),
-          nb::arg("slots"), nb::arg("offsets"), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
-          nb::arg("weight_decay"), nb::arg("step"), nb::arg("maximize"), nb::arg("grad_scale"), nb::arg("seed"),
-          nb::arg("threads"),
-          "step() over pieces of larger tensors: offsets[i] is element 0's index in its tensor's rounding stream.");
+    std::apply(
+        [&](auto&&... a) {
+            m.def("step_pieces", &step_pieces, a...,
+                  "step() over pieces of larger tensors: offsets[i] is element 0's index in its tensor's rounding "
+                  "stream (empty: all 0).");
+        },
+        piece_args(nb::arg("threads")));
 
     disk_io_error = PyErr_NewExceptionWithDoc(
         "ts_adamw._core.DiskIOError",

@@ -22,7 +22,9 @@ namespace {
 constexpr int kMaxTensors = 32;
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
-constexpr int64_t kTile = 4096;  // divides 2^32: a tile never straddles a hash window
+// Divides 2^32: a tile of a tensor whose first rounding index is a multiple of it never straddles a
+// hash window; a piece starting elsewhere may have one tile that does (handled per element).
+constexpr int64_t kTile = 4096;
 
 struct Table {
     float* param[kMaxTensors];
@@ -31,11 +33,16 @@ struct Table {
     void* exp_avg_sq[kMaxTensors];
     void* out[kMaxTensors];
     int64_t n[kMaxTensors];
+    int64_t first[kMaxTensors];  // index of element 0 in its tensor's rounding stream (Segment::first_index)
     int64_t tile_start[kMaxTensors + 1];
     uint32_t key[kMaxTensors];
     bool aligned[kMaxTensors];
     int count;
 };
+
+// The table and Hyper travel as kernel parameters: keep them well under the classic 4 KiB limit.
+static_assert(sizeof(Table) == 2224, "Table is 2224 bytes (32 tensors); recheck the kernel-parameter budget");
+static_assert(sizeof(Table) + sizeof(Hyper) <= 4096, "kernel parameters must stay under 4 KiB");
 
 template <Kind K>
 struct Storage {
@@ -83,8 +90,11 @@ __device__ __forceinline__ void store4_out(void* ptr, int64_t i, const float (&x
     }
 }
 
+// `lo0`: the low 32 bits of the tensor's first rounding index; `wkey`: the window key of element i's
+// index (first + i) >> 32. Element i hashes the low 32 bits of first + i, as the host kernels do.
 template <Kind GK, Kind MK, Kind OK>
-__device__ __forceinline__ void update_one(const Hyper& h, const Table& t, int k, int64_t i, uint32_t wkey) {
+__device__ __forceinline__ void update_one(const Hyper& h, const Table& t, int k, int64_t i, uint32_t lo0,
+                                           uint32_t wkey) {
     float p = t.param[k][i];
     float g = load_as_float<GK>(static_cast<const typename Storage<GK>::type*>(t.grad[k]), i);
     float m = load_as_float<MK>(static_cast<const typename Storage<MK>::type*>(t.exp_avg[k]), i);
@@ -95,7 +105,7 @@ __device__ __forceinline__ void update_one(const Hyper& h, const Table& t, int k
         static_cast<float*>(t.exp_avg[k])[i] = m;
         static_cast<float*>(t.exp_avg_sq[k])[i] = v;
     } else {
-        uint32_t r = mix32(uint32_t(i) ^ wkey);
+        uint32_t r = mix32((lo0 + uint32_t(i)) ^ wkey);
         static_cast<uint16_t*>(t.exp_avg[k])[i] = bf16_stochastic(m, r);
         static_cast<uint16_t*>(t.exp_avg_sq[k])[i] = bf16_stochastic(v, r >> 16);
     }
@@ -103,7 +113,8 @@ __device__ __forceinline__ void update_one(const Hyper& h, const Table& t, int k
 }
 
 template <Kind GK, Kind MK, Kind OK>
-__device__ __forceinline__ void update_four(const Hyper& h, const Table& t, int k, int64_t i, uint32_t wkey) {
+__device__ __forceinline__ void update_four(const Hyper& h, const Table& t, int k, int64_t i, uint32_t lo0,
+                                            uint32_t wkey) {
     float p[kVec], g[kVec], m[kVec], v[kVec];
     load4<Kind::f32>(t.param[k], i, p);
     load4<GK>(t.grad[k], i, g);
@@ -119,7 +130,7 @@ __device__ __forceinline__ void update_four(const Hyper& h, const Table& t, int 
         uint16_t mb[kVec], vb[kVec];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-            uint32_t r = mix32(uint32_t(i + j) ^ wkey);
+            uint32_t r = mix32((lo0 + uint32_t(i + j)) ^ wkey);
             mb[j] = bf16_stochastic(m[j], r);
             vb[j] = bf16_stochastic(v[j], r >> 16);
         }
@@ -137,17 +148,27 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__
         while (k + 1 < t.count && t.tile_start[k + 1] <= tile) ++k;
         const int64_t base = (tile - t.tile_start[k]) * kTile;
         const int64_t end = min(base + kTile, t.n[k]);
-        const uint32_t wkey = window_key(t.key[k], uint32_t(uint64_t(base) >> 32));
+        const uint64_t first = uint64_t(t.first[k]);
+        const uint32_t lo0 = uint32_t(first);
+        const uint32_t hi = uint32_t((first + uint64_t(base)) >> 32);
+        if (MK == Kind::bf16 && hi != uint32_t((first + uint64_t(end - 1)) >> 32)) {
+            // The tile's rounding indices cross a 2^32 boundary: each element takes its own window's key.
+            for (int64_t i = base + threadIdx.x; i < end; i += kThreads)
+                update_one<GK, MK, OK>(h, t, k, i, lo0, window_key(t.key[k], uint32_t((first + uint64_t(i)) >> 32)));
+            continue;
+        }
+        const uint32_t wkey = window_key(t.key[k], hi);
         if (t.aligned[k]) {
             for (int64_t i = base + int64_t(threadIdx.x) * kVec; i < end; i += int64_t(kThreads) * kVec) {
                 if (i + kVec <= end) {
-                    update_four<GK, MK, OK>(h, t, k, i, wkey);
+                    update_four<GK, MK, OK>(h, t, k, i, lo0, wkey);
                 } else {
-                    for (int64_t e = i; e < end; ++e) update_one<GK, MK, OK>(h, t, k, e, wkey);
+                    for (int64_t e = i; e < end; ++e) update_one<GK, MK, OK>(h, t, k, e, lo0, wkey);
                 }
             }
         } else {
-            for (int64_t i = base + threadIdx.x; i < end; i += kThreads) update_one<GK, MK, OK>(h, t, k, i, wkey);
+            for (int64_t i = base + threadIdx.x; i < end; i += kThreads)
+                update_one<GK, MK, OK>(h, t, k, i, lo0, wkey);
         }
     }
 }
@@ -227,6 +248,7 @@ void launch_cuda_step(const Plan& plan, uintptr_t stream_handle) {
                 t.exp_avg_sq[k] = s.exp_avg_sq;
                 t.out[k] = s.out;
                 t.n[k] = s.n;
+                t.first[k] = s.first_index;
                 t.key[k] = s.key;
                 t.aligned[k] = vector_aligned(s, plan.moment_kind);
                 t.tile_start[k + 1] = t.tile_start[k] + (s.n + kTile - 1) / kTile;

@@ -50,20 +50,22 @@ PlaceFn placer(int device, const char* fn) {
 
 void cuda_step(const std::vector<AnyArray>& params, const std::vector<AnyArray>& grads,
                const std::vector<AnyArray>& exp_avgs, const std::vector<AnyArray>& exp_avg_sqs,
-               const std::vector<AnyArray>& outs, const std::vector<uint32_t>& slots, const StepArgs& args,
-               uintptr_t stream) {
+               const std::vector<AnyArray>& outs, const std::vector<uint32_t>& slots,
+               const std::vector<int64_t>& offsets, const StepArgs& args, uintptr_t stream) {
     if (!ts::cuda_device_present())
         ts::throw_runtime_error("cuda_adamw_step: no CUDA device or driver is present on this machine");
     const int device = pick_device({&grads, &params, &exp_avgs, &exp_avg_sqs, &outs});
     ts::CudaDeviceGuard guard(device);
     Plan plan = build_plan("cuda_adamw_step", params, grads, exp_avgs, exp_avg_sqs, outs, slots, args,
                            placer(device, "cuda_adamw_step"));
+    assign_offsets("cuda_adamw_step", plan.segments, offsets);
     launch_cuda_step(plan, stream);
 }
 
 PreparedCudaStep prepare_cuda_step(std::vector<AnyArray> params, std::vector<AnyArray> exp_avgs,
                                    std::vector<AnyArray> exp_avg_sqs, std::vector<AnyArray> outs,
-                                   const std::vector<uint32_t>& slots, const std::vector<int>& grad_kinds) {
+                                   const std::vector<uint32_t>& slots, const std::vector<int64_t>& offsets,
+                                   const std::vector<int>& grad_kinds) {
     if (!ts::cuda_device_present())
         ts::throw_runtime_error("CudaAdamWBatch: no CUDA device or driver is present on this machine");
     PreparedCudaStep step;
@@ -71,6 +73,7 @@ PreparedCudaStep prepare_cuda_step(std::vector<AnyArray> params, std::vector<Any
     ts::CudaDeviceGuard guard(step.device);
     step.prepared = prepare_plan("CudaAdamWBatch", params, exp_avgs, exp_avg_sqs, outs, slots, grad_kinds,
                                  placer(step.device, "CudaAdamWBatch"));
+    assign_offsets("CudaAdamWBatch", step.prepared.plan.segments, offsets);  // kept by every with_grads() copy
     for (auto* list : {&params, &exp_avgs, &exp_avg_sqs, &outs})
         for (AnyArray& a : *list) step.arrays.push_back(std::move(a));
     return step;
@@ -85,12 +88,13 @@ void PreparedCudaStep::launch(const std::vector<uintptr_t>& grads, const StepArg
 
 void cuda_step(const std::vector<AnyArray>&, const std::vector<AnyArray>&, const std::vector<AnyArray>&,
                const std::vector<AnyArray>&, const std::vector<AnyArray>&, const std::vector<uint32_t>&,
-               const StepArgs&, uintptr_t) {
+               const std::vector<int64_t>&, const StepArgs&, uintptr_t) {
     ts::cuda_unavailable("cuda_adamw_step");
 }
 
 PreparedCudaStep prepare_cuda_step(std::vector<AnyArray>, std::vector<AnyArray>, std::vector<AnyArray>,
-                                   std::vector<AnyArray>, const std::vector<uint32_t>&, const std::vector<int>&) {
+                                   std::vector<AnyArray>, const std::vector<uint32_t>&, const std::vector<int64_t>&,
+                                   const std::vector<int>&) {
     ts::cuda_unavailable("CudaAdamWBatch");
 }
 

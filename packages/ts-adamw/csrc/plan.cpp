@@ -34,6 +34,16 @@ const char* kind_name(Kind kind) {
     }
 }
 
+void assign_offsets(const char* fn, std::vector<Segment>& segments, const std::vector<int64_t>& offsets) {
+    if (offsets.empty()) return;
+    TS_CHECK_ARG(offsets.size() == segments.size(), fn, ": offsets has ", offsets.size(), " entries for ",
+                 segments.size(), " tensors; pass one per tensor or None");
+    for (size_t i = 0; i < offsets.size(); ++i)
+        TS_CHECK_ARG(offsets[i] >= 0 && offsets[i] <= kMaxFirstIndex, fn, ": offsets[", i, "]=", offsets[i],
+                     " must be from 0 to 2**62");
+    for (size_t i = 0; i < offsets.size(); ++i) segments[i].first_index = offsets[i];
+}
+
 size_t kind_bytes(Kind kind) { return kind == Kind::f32 ? 4 : (kind == Kind::none ? 0 : 2); }
 
 Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,

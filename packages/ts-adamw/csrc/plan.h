@@ -58,6 +58,11 @@ PreparedPlan prepare_plan(const char* fn, const std::vector<AnyArray>& params, c
                           const std::vector<uint32_t>& slots, const std::vector<int>& grad_kinds,
                           const PlaceFn& place);
 
+// Sets each segment's first_index (segment.h) from `offsets`: one per segment, each from 0 to
+// kMaxFirstIndex; empty: all 0 (each tensor is a whole). ValueError naming `fn` otherwise.
+constexpr int64_t kMaxFirstIndex = int64_t(1) << 62;
+void assign_offsets(const char* fn, std::vector<Segment>& segments, const std::vector<int64_t>& offsets);
+
 Kind kind_of(const AnyArray& array);
 const char* kind_name(Kind kind);
 

@@ -21,8 +21,8 @@ struct Segment {
     Kind out_kind;
     uint32_t key;  // stochastic-rounding key of this tensor
     // Index of element 0 in the stochastic-rounding stream of its tensor: a
-    // piece of a larger tensor (the disk tier updates one segment at a time)
-    // rounds as that tensor does in one call. Host engine only; 0 elsewhere.
+    // piece of a larger tensor (a disk tier segment, a data-parallel rank's
+    // piece) rounds as that tensor does in one call. Host and CUDA kernels.
     int64_t first_index = 0;
 };
 

@@ -97,3 +97,17 @@ def rounding_keys(keys, count: int) -> list[int]:
     if len(keys) != count or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**32 for k in keys):
         raise ValueError(f"keys must be {count} integers in [0, 2**32), one per tensor; got {keys!r}")
     return keys
+
+
+def rounding_offsets(offsets, count: int) -> list[int]:
+    """The native list of per-tensor first rounding indices ([] for the default: every tensor starts at 0)."""
+    if offsets is None:
+        return []
+    if isinstance(offsets, (str, bytes, torch.Tensor)) or not hasattr(offsets, "__iter__"):
+        raise ValueError(f"offsets must be a list of {count} integers, one per tensor; got {offsets!r}")
+    offsets = list(offsets)
+    if len(offsets) != count or not all(
+            isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= 2**62 for o in offsets):
+        raise ValueError(f"offsets must be {count} integers in [0, 2**62], one per tensor (the index of its element "
+                         f"0 in its whole tensor's stochastic-rounding stream); got {offsets!r}")
+    return offsets

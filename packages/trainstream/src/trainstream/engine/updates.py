@@ -47,6 +47,14 @@ class Hyper:
                 "grad_scale": self.grad_scale, "seed": self.seed}
 
 
+def rounding(slots) -> dict:
+    """The ``keys`` and ``offsets`` of ts-adamw's list calls for `slots`: each parameter's rounding stream is its
+    index, and a piece of a split parameter (slots.py, invariant 8b) starts at its span's first value in it, so
+    its bf16 moments round as the whole parameter's would in one process."""
+    return {"keys": [s.index & 0xFFFFFFFF for s in slots],
+            "offsets": [0 if s.span is None else s.span[0] for s in slots]}
+
+
 def _number(where: str, key: str, value, low: float, high: float = math.inf, *, closed_high: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
             low <= value and (value <= high if closed_high else value < high)):
@@ -91,7 +99,7 @@ def group_hypers(slots: list[ParamSlot], grad_scale: float, seed: int) -> dict[i
 
 class DeviceBatch:
     """The argument lists of one fused launch that do not change between steps: the slots of one param
-    group at one step count, their masters, moments, weight views (``outs``) and rounding keys.
+    group at one step count, their masters, moments, weight views (``outs``) and rounding keys and offsets.
     Valid while the slot set, the buffers (placement) and the weights' storage stay; ``ptrs`` is the
     weights' storage when built, so a replaced ``.data`` is noticed."""
 
@@ -102,11 +110,11 @@ class DeviceBatch:
         "exp_avgs",
         "fused",
         "group",
-        "keys",
         "masters",
         "outs",
         "params",
         "ptrs",
+        "rounding",
         "slots",
         "step",
     )
@@ -120,7 +128,7 @@ class DeviceBatch:
         self.exp_avgs = [s.exp_avg for s in slots]
         self.exp_avg_sqs = [s.exp_avg_sq for s in slots]
         self.outs = [s.weight_view() for s in slots]
-        self.keys = [s.index & 0xFFFFFFFF for s in slots]
+        self.rounding = rounding(slots)
         self.ptrs = [p.data_ptr() for p in self.params]
         self.contiguous = all(p.is_contiguous() for p in self.params)
         self.changes = ParamSlot.buffer_changes
@@ -130,7 +138,7 @@ class DeviceBatch:
         """One fused AdamW over the batch on `stream`: only the gradients' addresses cross per step."""
         if self.fused is None:
             self.fused = ts_adamw.CudaAdamWBatch(self.masters, self.exp_avgs, self.exp_avg_sqs, params_out=self.outs,
-                                                 keys=self.keys, grad_dtypes=[p.dtype for p in self.params])
+                                                 grad_dtypes=[p.dtype for p in self.params], **self.rounding)
         self.fused.step(grads, stream=stream.cuda_stream, **kwargs)
         self.step += 1
 
@@ -188,7 +196,7 @@ def launch_device_updates(batch: list[tuple[ParamSlot, torch.Tensor, Hyper]], ch
             ts_adamw.cuda_adamw_step([s.master for s, _ in items], [g for _, g in items],
                                      [s.exp_avg for s, _ in items], [s.exp_avg_sq for s, _ in items],
                                      params_out=[s.weight_view() for s, _ in items], stream=stream.cuda_stream,
-                                     keys=[s.index & 0xFFFFFFFF for s, _ in items], **dict(key))
+                                     **rounding([s for s, _ in items]), **dict(key))
             for _, grad in items:
                 grad.record_stream(stream)
         done = torch.cuda.Event()
@@ -434,7 +442,7 @@ class HostUpdater:
         ts_adamw.adamw_steps([s.master for s in slots], [s.grad_host for s in slots], [s.exp_avg for s in slots],
                              [s.exp_avg_sq for s in slots],
                              params_out=None if first.out_host is first.master else [s.out_host for s in slots],
-                             keys=[s.index & 0xFFFFFFFF for s in slots], **first.hyper.kwargs(first.step + 1))
+                             **rounding(slots), **first.hyper.kwargs(first.step + 1))
 
     def _handled(self, batch: list[tuple[int, ParamSlot]], applied: bool, error: BaseException | None,
                  upload_error: BaseException | None) -> None:
