@@ -4,7 +4,9 @@ docs/api.md and docs/benchmarks.md are generated (no code blocks); docs/results/
 on the line before a block's fence tells this test what the block needs:
 
     <!-- snippet: not-run: REASON -->     not run (a Hub download, a launcher, an install); REASON is required
-    <!-- snippet: gpu: REASON -->         not run: it needs a GPU (REASON: what for); required too
+    <!-- snippet: gpu: REASON -->         run only where a CUDA GPU is (the cuda-marked test below, which the GPU
+                                         runner tools/gpu_run.sh runs); REASON says what for; the block is
+                                         self-contained (no setup)
     <!-- snippet: continues -->           appended to the page's previous block and run with it (that block is
                                          then run only as part of this one)
     <!-- snippet: setup: NAME[, NAME] --> runs after SETUPS[NAME]: the names the page leaves to the reader
@@ -208,8 +210,10 @@ def jobs(page: pathlib.Path) -> tuple[list[Job], list[Block]]:
     return runs, skipped
 
 
-def run(job: Job, folder: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+def run(job: Job, folder: str, gpu: bool = False) -> subprocess.CompletedProcess:
+    """Runs the job in its own process; CUDA hidden unless ``gpu``."""
+    hidden = {} if gpu else {"CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, **hidden, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     if job.lang == "bash":
@@ -227,6 +231,7 @@ def run(job: Job, folder: str) -> subprocess.CompletedProcess:
 
 ALL = [job for page in PAGES for job in jobs(page)[0]]
 SKIPPED = [block for page in PAGES for block in jobs(page)[1]]
+GPU = [Job(block, block.lang, block.code, ()) for block in SKIPPED if block.kind == "gpu"]
 
 
 @pytest.fixture(scope="module")
@@ -247,9 +252,18 @@ def test_snippet_runs(job, results):
     assert done.returncode == 0, f"{job.block.id} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("job", GPU, ids=[job.block.id for job in GPU])
+def test_gpu_snippet_runs_on_a_gpu(job, tmp_path):
+    done = run(job, str(tmp_path), gpu=True)
+    assert done.returncode == 0, f"{job.block.id} failed on the GPU:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
 def test_every_block_is_run_or_says_why_not():
     for block in SKIPPED:
         assert len(block.reason) >= 10, f"{block.id}: '{block.kind}' needs a reason (<!-- snippet: {block.kind}: why -->)"
+        if block.kind == "gpu":
+            assert block.lang in ("python", "bash"), f"{block.id}: a gpu block must be python or bash: it is run on a GPU"
     for job in ALL:
         unknown = [name for name in job.setups if name not in SETUPS]
         assert not unknown, f"{job.block.id}: unknown setup {unknown}; known: {sorted(SETUPS)}"
