@@ -41,8 +41,11 @@ wanted=${*:-$order}
 # The GPU image's default compiler (/opt/gcc/bin/g++) links libstdc++ statically;
 # C++ exceptions thrown while a core has released the GIL then crash the process
 # beside torch's dynamic libstdc++ (seen on the H200 image, 2026-11-30). The
-# system compiler links it dynamically and works.
-if [[ "${CXX:-}" == /opt/gcc/* && -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+# system compiler links it dynamically and works. CXX unset lets CMake take the c++ first on PATH, which
+# may be that one: the system compiler is named then too.
+if [[ ( -z "${CXX:-}" || "${CXX:-}" == /opt/gcc/* ) && -x /usr/bin/g++ ]]; then
+  export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ CC=/usr/bin/gcc
+fi
 export TS_ENABLE_CUDA=ON TS_CUDA_ARCHITECTURES=${TS_CUDA_ARCHITECTURES:-90} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2;
   python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'; } | tee "$OUT/machine.txt"
