@@ -5,6 +5,11 @@
 #
 #   bash tools/gpu_release_check.sh [DIST]        # DIST defaults to dist/
 #
+# The core wheels are per Python version: the lent GPU images run Python 3.12, CI's machines 3.11. For them,
+# build the cores from the same sdists with a Python 3.12 that has the build requirements and auditwheel
+# (TS_ENABLE_CUDA=ON python3.12 -m build --wheel --no-isolation on each unpacked dist/ts_*.tar.gz, then
+# auditwheel repair), and put trainstream's py3-none-any wheel beside them.
+#
 # It makes a virtualenv whose PATH holds no compiler (torch comes from the machine's site-packages: the GPU
 # image's CUDA build), installs every wheel of DIST with --no-index, checks that each core says it was built
 # with CUDA and was imported from the virtualenv, and runs every package's cuda-marked tests against the
