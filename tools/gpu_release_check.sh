@@ -20,11 +20,16 @@ dist=$(realpath "${1:-dist}")
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 venv=$(mktemp -d /tmp/ts-release-XXXX)/venv
-python3 -m venv --system-site-packages "$venv"
+python3 -m venv "$venv"
 export CC=/bin/false CXX=/bin/false CUDACXX=/bin/false PYTHONNOUSERSITE=1
 # pip runs with nothing but the venv's bin/ on PATH, so no compiler is reachable, and takes wheels only.
 env PATH="$venv/bin" "$venv/bin/python" -m pip install -q --no-index --no-deps --only-binary=:all: "$dist"/*.whl \
   || { echo "the release's wheels did not install"; exit 1; }
+# torch from the machine: a .pth names the site-packages it lives in (a venv made by a venv's python, as on the
+# GPU images, would not see it through --system-site-packages); the venv's own packages come first on sys.path.
+# Written after the install, so pip does not take a copy installed there for the release's.
+python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
+  > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine-torch.pth"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
   "$venv/bin/python" - "$venv" <<'EOF'
 import importlib, sys
