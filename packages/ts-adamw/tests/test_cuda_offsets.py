@@ -22,6 +22,13 @@ WINDOW = 1 << 32
 BASES = [0, WINDOW - 5000, 3 * WINDOW - 4097]
 
 
+def random_pieces(test):
+    """A tensor of n values whose rounding stream starts at `base`, cut where `data` draws (see _bounds)."""
+    return settings(max_examples=10, deadline=None)(given(
+        n=st.integers(2, 40_000), data=st.data(), key=st.integers(0, 2**32 - 1), seed=st.integers(0, 2**32 - 1),
+        base=st.sampled_from(BASES))(test))
+
+
 def _state(n, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     param = torch.randn(n, generator=g).to(device)
@@ -63,9 +70,7 @@ def _assert_bits(state, reference):
         assert torch.equal(ours.cpu(), theirs.cpu())
 
 
-@settings(max_examples=10, deadline=None)
-@given(n=st.integers(2, 40_000), data=st.data(), key=st.integers(0, 2**32 - 1), seed=st.integers(0, 2**32 - 1),
-       base=st.sampled_from(BASES))
+@random_pieces
 def test_cuda_pieces_write_the_bits_of_the_whole_on_the_gpu_and_on_the_host(n, data, key, seed, base):
     bounds = _bounds(n, data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=6)))
     whole = _state(n, "cuda")
@@ -84,9 +89,7 @@ def test_cuda_pieces_write_the_bits_of_the_whole_on_the_gpu_and_on_the_host(n, d
     _assert_bits(pieces, host)
 
 
-@settings(max_examples=10, deadline=None)
-@given(n=st.integers(2, 40_000), data=st.data(), key=st.integers(0, 2**32 - 1), seed=st.integers(0, 2**32 - 1),
-       base=st.sampled_from(BASES))
+@random_pieces
 def test_a_prepared_batch_of_pieces_writes_the_bits_of_the_whole(n, data, key, seed, base):
     """The offsets given at construction stay with the batch for every step."""
     bounds = _bounds(n, data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=6)))
